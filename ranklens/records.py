@@ -1,0 +1,173 @@
+"""Records: one frozen dataclass per table, and the one place rows become Arrow batches.
+
+The dataclasses are generated from :mod:`ranklens.schema`, so a record and its table can never
+disagree. Rows travel as plain dicts keyed by column name (the tracer writes them as JSON Lines
+without importing anything heavy); :func:`to_arrow` validates and converts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ranklens.schema import TABLES, Column, Table, table
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["RECORD_TYPES", "arrow_schema", "check_value", "empty_arrow", "record_type", "to_arrow"]
+
+
+def _class_name(table_name: str) -> str:
+    return "".join(part.capitalize() for part in table_name.split("_")) + "Record"
+
+
+def _make_record(t: Table) -> type:
+    fields: list[Any] = []
+    for c in t.columns:
+        if c.required:
+            fields.append((c.name, Any))
+    for c in t.columns:
+        if not c.required:
+            default = c.default_value()
+            if isinstance(default, list):
+                fields.append((c.name, Any, dataclasses.field(default_factory=list)))
+            else:
+                fields.append((c.name, Any, dataclasses.field(default=default)))
+
+    def to_row(self: Any) -> dict[str, Any]:
+        return {c.name: getattr(self, c.name) for c in t.columns}
+
+    cls = dataclasses.make_dataclass(
+        _class_name(t.name),
+        fields,
+        frozen=True,
+        kw_only=True,
+        namespace={"TABLE": t.name, "to_row": to_row, "__doc__": f"A row of `{t.name}`: {t.doc}."},
+    )
+    cls.__module__ = __name__
+    return cls
+
+
+RECORD_TYPES: dict[str, type] = {name: _make_record(t) for name, t in TABLES.items()}
+globals().update({cls.__name__: cls for cls in RECORD_TYPES.values()})
+__all__ += [cls.__name__ for cls in RECORD_TYPES.values()]
+
+
+def record_type(table_name: str) -> type:
+    """The frozen dataclass of ``table_name`` (e.g. ``CollectivesRecord``)."""
+    return RECORD_TYPES[table(table_name).name]
+
+
+_INT_RANGES = {
+    "Int32": (-(2**31), 2**31 - 1),
+    "Int64": (-(2**63), 2**63 - 1),
+    "UInt8": (0, 255),
+    "UInt32": (0, 2**32 - 1),
+    "UInt64": (0, 2**64 - 1),
+}
+
+
+def _check_scalar(type_: str, value: Any) -> Any:
+    if type_ == "String":
+        if not isinstance(value, str):
+            raise TypeError(f"expected a string, got {type(value).__name__} {value!r:.60}")
+        return value
+    if type_ == "Float64":
+        if value is None:
+            return math.nan
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"expected a number, got {type(value).__name__} {value!r:.60}")
+        return float(value)
+    lo, hi = _INT_RANGES[type_]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer ({type_}), got {type(value).__name__} {value!r:.60}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{value} is out of range for {type_} [{lo}, {hi}]")
+    return value
+
+
+def check_value(column: Column, value: Any) -> Any:
+    """Validate one value for ``column``; return it normalised. Raises TypeError/ValueError."""
+    if column.is_array:
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"expected a list ({column.type}), got {type(value).__name__}")
+        return [_check_scalar(column.scalar_type, v) for v in value]
+    return _check_scalar(column.type, value)
+
+
+def _arrow_scalar(type_: str) -> pa.DataType:
+    import pyarrow as pa
+
+    return {
+        "Int32": pa.int32(),
+        "Int64": pa.int64(),
+        "UInt8": pa.uint8(),
+        "UInt32": pa.uint32(),
+        "UInt64": pa.uint64(),
+        "Float64": pa.float64(),
+        "String": pa.string(),
+    }[type_]
+
+
+def arrow_type(column: Column) -> pa.DataType:
+    import pyarrow as pa
+
+    inner = _arrow_scalar(column.scalar_type)
+    return pa.list_(inner) if column.is_array else inner
+
+
+def arrow_schema(table_name: str) -> pa.Schema:
+    """The Arrow schema of ``table_name`` (embedded parts are written with it)."""
+    import pyarrow as pa
+
+    t = table(table_name)
+    return pa.schema(
+        [pa.field(c.name, arrow_type(c), nullable=False) for c in t.columns],
+        metadata={b"ranklens.table": t.name.encode()},
+    )
+
+
+def empty_arrow(table_name: str) -> pa.Table:
+    return arrow_schema(table_name).empty_table()
+
+
+def to_arrow(table_name: str, rows: Iterable[Mapping[str, Any] | Any], *, validate: bool = True) -> pa.Table:
+    """Turn rows (dicts or records) into an Arrow table of ``table_name``'s schema.
+
+    Absent optional columns take their default; unknown keys are an error (a typo must not
+    silently lose data). With ``validate`` each value is type- and range-checked first.
+
+    Raises:
+        ValueError: naming the row index and the column.
+    """
+    import pyarrow as pa
+
+    t = table(table_name)
+    cols: dict[str, list[Any]] = {c.name: [] for c in t.columns}
+    for i, row in enumerate(rows):
+        if dataclasses.is_dataclass(row) and not isinstance(row, type):
+            row = row.to_row()  # type: ignore[union-attr]
+        assert isinstance(row, Mapping)
+        extra = set(row) - cols.keys()
+        if extra:
+            raise ValueError(f"row {i}: unknown column(s) {sorted(extra)} for table {t.name}")
+        for c in t.columns:
+            if c.name in row:
+                v = row[c.name]
+                if validate:
+                    try:
+                        v = check_value(c, v)
+                    except (TypeError, ValueError) as e:
+                        raise ValueError(f"row {i}: column {c.name}: {e}") from None
+            elif c.required:
+                raise ValueError(f"row {i}: required column {c.name} is missing")
+            else:
+                v = c.default_value()
+            cols[c.name].append(v)
+    schema = arrow_schema(t.name)
+    return pa.table({c.name: pa.array(cols[c.name], type=arrow_type(c)) for c in t.columns}, schema=schema)

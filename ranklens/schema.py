@@ -1,0 +1,410 @@
+"""The one definition of ranklens' tables, rendered as DDL for every store.
+
+Each table is a list of typed columns. From it come: the Arrow schema of embedded parts, the
+``file(...)`` structure the embedded engine reads them with, ``CREATE TABLE`` statements for one
+ClickHouse server and for a cluster (``ReplicatedMergeTree`` + ``Distributed``), and the
+validation of the open ingest format. Types are limited to what ClickHouse 18.16 (Debian's
+server, our minimum) and current releases both accept: no ``DateTime64``, ``Map``, ``Nullable`` or
+``LowCardinality``. Times are ``Int64`` nanoseconds since the Unix epoch (``*_ns``); "unknown" is a
+default value (``-1``, ``''``, ``nan``), never NULL.
+
+Bump :data:`SCHEMA_VERSION` whenever a table or column changes: stores refuse a mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "TABLES",
+    "Column",
+    "Table",
+    "render_cluster_ddl",
+    "render_server_ddl",
+    "table",
+]
+
+SCHEMA_VERSION = 1
+
+_SCALARS = {"Int32", "Int64", "UInt8", "UInt32", "UInt64", "Float64", "String"}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column: name (units in the name), ClickHouse type, default for absent input, doc."""
+
+    name: str
+    type: str
+    doc: str = ""
+    required: bool = False
+    default: Any = None
+
+    def __post_init__(self) -> None:
+        inner = self.type[6:-1] if self.type.startswith("Array(") else self.type
+        if inner not in _SCALARS:
+            raise ValueError(f"column {self.name}: unsupported type {self.type}")
+
+    @property
+    def is_array(self) -> bool:
+        return self.type.startswith("Array(")
+
+    @property
+    def scalar_type(self) -> str:
+        return self.type[6:-1] if self.is_array else self.type
+
+    def default_value(self) -> Any:
+        if self.default is not None:
+            return self.default
+        if self.is_array:
+            return []
+        if self.type == "String":
+            return ""
+        if self.type == "Float64":
+            return math.nan
+        return 0
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table: its columns, sort key, shard key (cluster) and engine."""
+
+    name: str
+    columns: tuple[Column, ...]
+    order_by: tuple[str, ...]
+    shard_key: str = "cityHash64(job_id)"
+    engine: str = "MergeTree()"
+    replicated_engine: str = "ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{db}/{table}', '{{replica}}')"
+    doc: str = ""
+    _by_name: dict[str, Column] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_name.update({c.name: c for c in self.columns})
+        for key in self.order_by:
+            if key not in self._by_name:
+                raise ValueError(f"table {self.name}: order key {key} is not a column")
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    def column(self, name: str) -> Column:
+        return self._by_name[name]
+
+    def has_column(self, name: str) -> bool:
+        return name in self._by_name
+
+    def structure(self) -> str:
+        """The ``name Type, ...`` structure string (``file()`` table function, ``CREATE``)."""
+        return ", ".join(f"{c.name} {c.type}" for c in self.columns)
+
+
+def _c(name: str, type_: str, doc: str = "", *, required: bool = False, default: Any = None) -> Column:
+    return Column(name, type_, doc, required, default)
+
+
+def _job(*, rank: bool = True) -> list[Column]:
+    cols = [
+        _c("job_id", "String", "job identifier (launcher run id)", required=True),
+        _c("attempt", "Int32", "restart attempt of the job, 0 first"),
+    ]
+    if rank:
+        cols.append(_c("rank", "Int32", "global rank", required=True))
+    return cols
+
+
+TABLES: dict[str, Table] = {}
+
+
+def _table(name: str, cols: list[Column], order_by: tuple[str, ...], doc: str, **kw: Any) -> None:
+    TABLES[name] = Table(name, tuple(cols), order_by, doc=doc, **kw)
+
+
+_table(
+    "collectives",
+    [
+        *_job(),
+        _c("pg", "String", "process group name, the same on every member", required=True),
+        _c("seq", "Int64", "sequence number of this call within pg (p2p: within the pair)", required=True),
+        _c("op", "String", "all_reduce, broadcast, send, ...", required=True),
+        _c("nbytes", "Int64", "bytes of the local input"),
+        _c("dtype", "String", "element type"),
+        _c("peer", "Int32", "p2p peer global rank, -1 for collectives", default=-1),
+        _c("step", "Int64", "training step the call belongs to, -1 unknown", default=-1),
+        _c("enter_ns", "Int64", "arrival: when this rank reached the collective", required=True),
+        _c("start_ns", "Int64", "when the transfer started (0 unknown)"),
+        _c("end_ns", "Int64", "when the call completed on this rank (0 not completed)"),
+        _c("clock", "String", "cpu or cuda: what enter/start/end were measured on", default="cpu"),
+        _c("async_op", "UInt8", "1 when issued with async_op=True"),
+    ],
+    ("job_id", "attempt", "pg", "seq", "rank"),
+    "one row per rank x collective call (the arrival ledger)",
+    shard_key="cityHash64(job_id, rank)",
+)
+_table(
+    "phases",
+    [
+        *_job(),
+        _c("step", "Int64", "training step", required=True),
+        _c("phase", "String", "data, forward, backward, optimizer or a custom name", required=True),
+        _c("start_ns", "Int64", "phase start", required=True),
+        _c("end_ns", "Int64", "phase end", required=True),
+    ],
+    ("job_id", "attempt", "rank", "step"),
+    "one row per rank x step x phase",
+    shard_key="cityHash64(job_id, rank)",
+)
+_table(
+    "steps",
+    [
+        *_job(),
+        _c("step", "Int64", "training step", required=True),
+        _c("start_ns", "Int64", "step start", required=True),
+        _c("end_ns", "Int64", "step end", required=True),
+        _c("samples", "Int64", "samples in the step, -1 unknown", default=-1),
+        _c("tokens", "Int64", "tokens in the step, -1 unknown", default=-1),
+        _c("loss", "Float64", "loss, nan unknown"),
+        _c("grad_norm", "Float64", "gradient norm, nan unknown"),
+    ],
+    ("job_id", "attempt", "rank", "step"),
+    "one row per rank x step",
+    shard_key="cityHash64(job_id, rank)",
+)
+_table(
+    "process_groups",
+    [
+        *_job(rank=False),
+        _c("pg", "String", "process group name, the same on every member", required=True),
+        _c("name", "String", "description (group_desc) of the group"),
+        _c("backend", "String", "gloo, nccl, ..."),
+        _c("ranks", "Array(Int32)", "global ranks of the members", required=True),
+        _c("created_ns", "Int64", "when it was registered"),
+    ],
+    ("job_id", "attempt", "pg"),
+    "one row per process group (duplicates from several members are harmless)",
+)
+_table(
+    "ranks",
+    [
+        *_job(),
+        _c("world_size", "Int32", "world size"),
+        _c("host", "String", "host (node) name"),
+        _c("local_rank", "Int32", "rank on its node", default=-1),
+        _c("pid", "Int32", "process id"),
+        _c("gpu_index", "Int32", "GPU index, -1 none", default=-1),
+        _c("gpu_uuid", "String", "GPU UUID"),
+        _c("pp", "Int32", "pipeline stage coordinate, -1 unknown", default=-1),
+        _c("tp", "Int32", "tensor-parallel coordinate, -1 unknown", default=-1),
+        _c("dp", "Int32", "data-parallel coordinate, -1 unknown", default=-1),
+        _c("started_ns", "Int64", "when tracing started in this rank"),
+    ],
+    ("job_id", "attempt", "rank"),
+    "one row per rank of a job attempt",
+    shard_key="cityHash64(job_id, rank)",
+)
+_table(
+    "gpu_samples",
+    [
+        _c("host", "String", "node", required=True),
+        _c("gpu_index", "Int32", "GPU index", required=True),
+        _c("gpu_uuid", "String", "GPU UUID"),
+        _c("ts_ns", "Int64", "sample time", required=True),
+        _c("job_id", "String", "job using the GPU, '' unknown"),
+        _c("rank", "Int32", "rank using the GPU, -1 unknown", default=-1),
+        _c("util_pct", "Float64", "GPU utilization %"),
+        _c("mem_used_bytes", "Int64", "memory used"),
+        _c("mem_total_bytes", "Int64", "memory total"),
+        _c("power_w", "Float64", "power draw"),
+        _c("temp_c", "Float64", "temperature"),
+        _c("sm_clock_mhz", "Float64", "SM clock"),
+        _c("mem_clock_mhz", "Float64", "memory clock"),
+        _c("throttle_reasons", "UInt64", "NVML clocks-event reasons bitmask"),
+        _c("ecc_corrected", "Int64", "volatile corrected ECC errors"),
+        _c("ecc_uncorrected", "Int64", "volatile uncorrected ECC errors"),
+        _c("pcie_replay", "Int64", "PCIe replay counter"),
+        _c("nvlink_errors", "Int64", "NVLink error counters, summed"),
+    ],
+    ("host", "gpu_index", "ts_ns"),
+    "one row per GPU x sample time",
+    shard_key="cityHash64(host)",
+)
+_table(
+    "gpu_events",
+    [
+        _c("host", "String", "node", required=True),
+        _c("gpu_index", "Int32", "GPU index", required=True),
+        _c("gpu_uuid", "String", "GPU UUID"),
+        _c("ts_ns", "Int64", "event time", required=True),
+        _c("job_id", "String", "job using the GPU, '' unknown"),
+        _c("rank", "Int32", "rank using the GPU, -1 unknown", default=-1),
+        _c("kind", "String", "xid, ecc_sbe, ecc_dbe, row_remap, ...", required=True),
+        _c("code", "Int64", "XID code or counter value"),
+        _c("message", "String", "text"),
+    ],
+    ("host", "gpu_index", "ts_ns"),
+    "one row per discrete GPU event",
+    shard_key="cityHash64(host)",
+)
+_table(
+    "log_events",
+    [
+        *_job(rank=False),
+        _c("host", "String", "node"),
+        _c("rank", "Int32", "rank that wrote the line, -1 unknown", default=-1),
+        _c("ts_ns", "Int64", "time of the line", required=True),
+        _c("stream", "String", "stdout, stderr, kernel, file"),
+        _c("source", "String", "file the line came from"),
+        _c("rule", "String", "rule that kept the line"),
+        _c("klass", "String", "class: nccl_error, oom, xid, traceback, ...", required=True),
+        _c("severity", "String", "info, warning, error, critical"),
+        _c("message", "String", "the line (a traceback: all of it)", required=True),
+        _c("repeat_count", "Int32", "collapsed repeats", default=1),
+        _c("context", "Array(String)", "lines before it"),
+    ],
+    ("job_id", "attempt", "ts_ns"),
+    "one row per log line kept by the source filter",
+)
+_table(
+    "heartbeats",
+    [
+        *_job(),
+        _c("ts_ns", "Int64", "heartbeat time", required=True),
+        _c("pid", "Int32", "process id"),
+        _c("step", "Int64", "last step started", default=-1),
+        _c("phase", "String", "phase in progress"),
+        _c("last_pg", "String", "pg of the last collective entered"),
+        _c("last_seq_entered", "Int64", "seq of the last collective entered", default=-1),
+        _c("last_seq_completed", "Int64", "seq of the last collective completed", default=-1),
+    ],
+    ("job_id", "attempt", "rank", "ts_ns"),
+    "one row per rank x heartbeat interval",
+    shard_key="cityHash64(job_id, rank)",
+)
+_table(
+    "findings",
+    [
+        _c("id", "String", "stable identity: the same ongoing problem keeps its id", required=True),
+        *_job(rank=False),
+        _c("kind", "String", "straggler, hang, slow_link, ...", required=True),
+        _c("severity", "String", "info, warning, critical", required=True),
+        _c("confidence", "Float64", "0..1"),
+        _c("title", "String", "one line a person reads"),
+        _c("suspect_ranks", "Array(Int32)", "suspected ranks"),
+        _c("suspect_hosts", "Array(String)", "suspected nodes"),
+        _c("suspect_gpus", "Array(String)", "suspected GPUs (host:index)"),
+        _c("suspect_links", "Array(String)", "suspected links (a<->b)"),
+        _c("first_seen_step", "Int64", "first step showing it", default=-1),
+        _c("last_seen_step", "Int64", "last step showing it", default=-1),
+        _c("first_seen_ns", "Int64", "time of first_seen_step"),
+        _c("last_seen_ns", "Int64", "time of last_seen_step"),
+        _c("impact_s", "Float64", "wall seconds the job lost"),
+        _c("impact_gpu_s", "Float64", "rank-seconds (GPU-seconds) lost"),
+        _c("step_time_pct", "Float64", "share of step time lost, %"),
+        _c("evidence", "String", "JSON: numbers and the SQL that reproduces them"),
+        _c("state", "String", "open or resolved", default="open"),
+        _c("detector", "String", "detector that decided"),
+        _c("updated_ns", "Int64", "version: the newest row of an id wins", required=True),
+    ],
+    ("job_id", "id"),
+    "one row per finding version (read the newest per id)",
+    engine="ReplacingMergeTree(updated_ns)",
+    replicated_engine=(
+        "ReplicatedReplacingMergeTree('/clickhouse/tables/{{shard}}/{db}/{table}', '{{replica}}', updated_ns)"
+    ),
+)
+_table(
+    "actions",
+    [
+        _c("finding_id", "String", "finding acted on", required=True),
+        *_job(rank=False),
+        _c("action", "String", "notify, restart_rank, replace_node, restart_job", required=True),
+        _c("target", "String", "endpoint, hook or resource"),
+        _c("idempotency_key", "String", "same key, same action"),
+        _c("attempt_no", "Int32", "delivery attempt, 1 first", default=1),
+        _c("outcome", "String", "sent, acknowledged, failed, dry_run, ..."),
+        _c("detail", "String", "status code, error"),
+        _c("ts_ns", "Int64", "when", required=True),
+    ],
+    ("job_id", "finding_id", "ts_ns"),
+    "one row per hook delivery attempt",
+)
+_table(
+    "drops",
+    [
+        _c("ts_ns", "Int64", "snapshot time", required=True),
+        _c("host", "String", "node"),
+        _c("job_id", "String", "job, '' for node-wide"),
+        _c("rank", "Int32", "rank, -1 for node-wide", default=-1),
+        _c("component", "String", "tracer, collector, log_filter, ...", required=True),
+        _c("what", "String", "what was dropped or filtered", required=True),
+        _c("count", "Int64", "how many since the last snapshot", required=True),
+    ],
+    ("component", "ts_ns"),
+    "one row per drop-counter snapshot",
+)
+
+
+def table(name: str) -> Table:
+    """The table called ``name``; a clear error for an unknown one."""
+    try:
+        return TABLES[name]
+    except KeyError:
+        from ranklens.errors import ConfigError
+
+        raise ConfigError(
+            f"unknown table {name!r}; ranklens tables are: {', '.join(TABLES)}"
+        ) from None
+
+
+META_TABLE = "ranklens_meta"
+
+
+def render_server_ddl(database: str = "ranklens") -> str:
+    """``CREATE`` statements for one ClickHouse server (18.16 or newer)."""
+    out = [
+        f"-- ranklens schema version {SCHEMA_VERSION}, one ClickHouse server (>= 18.16).",
+        "-- Generated by `ranklens schema --target server`; do not edit by hand.",
+        f"CREATE DATABASE IF NOT EXISTS {database};",
+        f"CREATE TABLE IF NOT EXISTS {database}.{META_TABLE} (key String, value String, "
+        "updated_ns Int64) ENGINE = ReplacingMergeTree(updated_ns) ORDER BY key;",
+    ]
+    for t in TABLES.values():
+        out.append(f"-- {t.doc}")
+        out.append(
+            f"CREATE TABLE IF NOT EXISTS {database}.{t.name} ({t.structure()}) "
+            f"ENGINE = {t.engine} ORDER BY ({', '.join(t.order_by)});"
+        )
+    return "\n".join(out) + "\n"
+
+
+def render_cluster_ddl(database: str = "ranklens", cluster: str = "ranklens") -> str:
+    """``CREATE`` statements for a cluster: replicated local tables plus Distributed tables.
+
+    ``{shard}`` and ``{replica}`` are the usual server macros. Queries and inserts go to the
+    Distributed tables, which carry the plain table names, so analyzer SQL is unchanged.
+    """
+    oc = f"ON CLUSTER '{cluster}'"
+    out = [
+        f"-- ranklens schema version {SCHEMA_VERSION}, ClickHouse cluster '{cluster}' (>= 18.16).",
+        "-- Generated by `ranklens schema --target cluster`; do not edit by hand.",
+        "-- Needs the {shard} and {replica} macros and ZooKeeper/Keeper on every server.",
+        f"CREATE DATABASE IF NOT EXISTS {database} {oc};",
+        f"CREATE TABLE IF NOT EXISTS {database}.{META_TABLE} {oc} (key String, value String, "
+        f"updated_ns Int64) ENGINE = ReplicatedReplacingMergeTree("
+        f"'/clickhouse/tables/{{shard}}/{database}/{META_TABLE}', '{{replica}}', updated_ns) "
+        "ORDER BY key;",
+    ]
+    for t in TABLES.values():
+        engine = t.replicated_engine.format(db=database, table=t.name)
+        out.append(f"-- {t.doc}")
+        out.append(
+            f"CREATE TABLE IF NOT EXISTS {database}.{t.name}_local {oc} ({t.structure()}) "
+            f"ENGINE = {engine} ORDER BY ({', '.join(t.order_by)});"
+        )
+        out.append(
+            f"CREATE TABLE IF NOT EXISTS {database}.{t.name} {oc} AS {database}.{t.name}_local "
+            f"ENGINE = Distributed('{cluster}', '{database}', '{t.name}_local', {t.shard_key});"
+        )
+    return "\n".join(out) + "\n"

@@ -1,0 +1,297 @@
+"""The embedded store: chDB (in-process ClickHouse) over immutable Parquet parts.
+
+chDB allows one process per data directory, but the collector, the analyzers and the dashboard
+are separate processes working at the same time on a live job. So no process owns a database:
+
+* Writers write each batch as a Parquet *part* (temporary name, then atomic rename) and commit
+  parts by rewriting ``manifest.json`` (atomic rename) under an exclusive ``flock``. The manifest
+  is the commit point: a part not named in it is invisible, so a crashed writer leaves nothing
+  half-written, and one ``write_many`` call commits all its tables at once.
+* Every reader runs its own in-memory chDB session with one view per table over the parts the
+  current manifest names (``file('dir/{a,b}.parquet', Parquet, structure)``); views are refreshed
+  when the manifest changes, so readers see new data at once and never lock anything.
+* Small parts are merged by :meth:`EmbeddedStore.compact` (any process may call it; the lock
+  serialises compactions). Replaced parts are deleted only after a grace period, so a reader
+  that planned a query on the old manifest can still read them.
+
+Layout::
+
+    <root>/meta.json                    {"schema_version": N, "created_ns": ...}
+    <root>/manifest.json                {"generation": k, "tables": {t: [part, ...]}, "garbage": [...]}
+    <root>/.lock                        flock target for manifest updates
+    <root>/parts/<table>/<part>.parquet immutable parts (and empty.parquet: the table's schema)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ranklens.errors import SchemaVersionError, StoreError, StoreUnavailable
+from ranklens.records import arrow_schema, empty_arrow, to_arrow
+from ranklens.schema import SCHEMA_VERSION, TABLES, table
+from ranklens.store.api import QueryResult
+
+__all__ = ["EmbeddedStore"]
+
+GC_GRACE_S = 120.0
+COMPACT_MIN_PARTS = 16  # merge when a table has at least this many small parts
+SMALL_PART_ROWS = 500_000  # parts smaller than this are merged together
+
+_session_lock = threading.RLock()
+_session: Any = None
+_session_pid: int | None = None
+
+
+def _chdb_session() -> Any:
+    """One in-memory chDB session per process (re-created after fork)."""
+    global _session, _session_pid
+    if _session is None or _session_pid != os.getpid():
+        try:
+            from chdb import session as chdb_session
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise StoreUnavailable(
+                "the embedded store needs chDB: pip install 'ranklens[embedded]'"
+            ) from e
+        _session = chdb_session.Session()
+        _session_pid = os.getpid()
+    return _session
+
+
+def _sql_quote(s: str) -> str:
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class EmbeddedStore:
+    """A store in a local directory, safe for concurrent writer and reader processes.
+
+    Args:
+        root: the data directory.
+        create: create the directory if it does not exist (else StoreUnavailable).
+    """
+
+    backend = "embedded"
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.url = f"embedded://{self.root}"
+        self._db = "rl_" + hashlib.sha1(str(self.root).encode()).hexdigest()[:12]
+        self._views: dict[str, tuple[str, ...]] = {}
+        self._manifest_stamp: tuple[int, int, int] | None = None
+        self._lock = threading.RLock()
+        meta = self.root / "meta.json"
+        if not meta.exists():
+            if not create:
+                raise StoreUnavailable(
+                    f"no ranklens store at {self.root} (meta.json missing); "
+                    "run `ranklens demo` or `ranklens ingest` to create one, or pass the right --store"
+                )
+            self._init_dir()
+        self._check_version()
+
+    # -- layout -------------------------------------------------------------------------
+    def _init_dir(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with self._locked():
+                if (self.root / "meta.json").exists():
+                    return  # another process initialised it meanwhile
+                import pyarrow.parquet as pq
+
+                for name in TABLES:
+                    d = self.root / "parts" / name
+                    d.mkdir(parents=True, exist_ok=True)
+                    tmp = d / f".empty-{uuid.uuid4().hex}.tmp"
+                    pq.write_table(empty_arrow(name), tmp)
+                    os.replace(tmp, d / "empty.parquet")
+                self._write_json(
+                    "manifest.json", {"generation": 0, "tables": {n: [] for n in TABLES}, "garbage": []}
+                )
+                self._write_json(
+                    "meta.json", {"schema_version": SCHEMA_VERSION, "created_ns": time.time_ns()}
+                )
+        except OSError as e:
+            raise StoreUnavailable(f"cannot create the embedded store at {self.root}: {e}") from e
+
+    def _check_version(self) -> None:
+        try:
+            meta = json.loads((self.root / "meta.json").read_text())
+        except (OSError, ValueError) as e:
+            raise StoreUnavailable(f"cannot read {self.root / 'meta.json'}: {e}") from e
+        found = meta.get("schema_version")
+        if found != SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"the store at {self.root} has schema version {found}, this ranklens expects "
+                f"{SCHEMA_VERSION}; use a ranklens release of that schema version, or a new store "
+                "directory (--store embedded:///new/dir)"
+            )
+
+    def _write_json(self, name: str, obj: Any) -> None:
+        tmp = self.root / f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / name)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock, open(self.root / ".lock", "a+") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def _read_manifest(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.root / "manifest.json").read_text())
+        except FileNotFoundError as e:
+            raise StoreUnavailable(f"the embedded store at {self.root} has no manifest.json") from e
+        except ValueError as e:
+            raise StoreError(f"{self.root / 'manifest.json'} is corrupt: {e}") from e
+
+    # -- writing ------------------------------------------------------------------------
+    def write(self, table_name: str, data: Any) -> int:
+        return self.write_many({table_name: data})[table_name]
+
+    def write_many(self, batches: Mapping[str, Any]) -> dict[str, int]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        staged: list[tuple[str, Path, int]] = []
+        counts: dict[str, int] = {}
+        try:
+            for name, data in batches.items():
+                t = table(name)
+                if not isinstance(data, pa.Table):
+                    data = to_arrow(t.name, data if isinstance(data, Iterable) else [data])
+                data = data.select(t.column_names).cast(arrow_schema(t.name))
+                counts[t.name] = counts.get(t.name, 0) + data.num_rows
+                if data.num_rows == 0:
+                    continue
+                part = f"part-{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.parquet"
+                d = self.root / "parts" / t.name
+                tmp = d / f".{part}.tmp"
+                pq.write_table(data, tmp, compression="zstd")
+                os.replace(tmp, d / part)
+                staged.append((t.name, d / part, data.num_rows))
+            if staged:
+                with self._locked():
+                    m = self._read_manifest()
+                    for name, path, rows in staged:
+                        m["tables"].setdefault(name, []).append([path.name, rows])
+                    m["generation"] += 1
+                    self._write_json("manifest.json", m)
+        except OSError as e:
+            for _, path, _ in staged:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise StoreUnavailable(f"cannot write to the embedded store at {self.root}: {e}") from e
+        except BaseException:
+            for _, path, _ in staged:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise
+        return counts
+
+    def compact(self, *, min_parts: int = COMPACT_MIN_PARTS) -> dict[str, int]:
+        """Merge small parts of every table; return how many parts each table lost."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        merged: dict[str, int] = {}
+        with self._locked():
+            m = self._read_manifest()
+            now = time.time()
+            changed = False
+            for name, parts in m["tables"].items():
+                small = [p for p in parts if p[1] < SMALL_PART_ROWS]
+                if len(small) < min_parts:
+                    continue
+                d = self.root / "parts" / name
+                data = pa.concat_tables([pq.read_table(d / p[0]) for p in small])
+                part = f"part-{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.parquet"
+                tmp = d / f".{part}.tmp"
+                pq.write_table(data, tmp, compression="zstd")
+                os.replace(tmp, d / part)
+                names = {p[0] for p in small}
+                m["tables"][name] = [p for p in parts if p[0] not in names] + [[part, data.num_rows]]
+                m["garbage"].extend([f"{name}/{p}", now] for p in names)
+                merged[name] = len(small) - 1
+                changed = True
+            keep = []
+            for path, ts in m["garbage"]:
+                if now - ts > GC_GRACE_S:
+                    with contextlib.suppress(FileNotFoundError):
+                        (self.root / "parts" / path).unlink()
+                    changed = True
+                else:
+                    keep.append([path, ts])
+            m["garbage"] = keep
+            if changed:
+                m["generation"] += 1
+                self._write_json("manifest.json", m)
+        return merged
+
+    # -- reading ------------------------------------------------------------------------
+    def parts(self, table_name: str) -> list[str]:
+        """Names of the committed parts of a table (for tools and tests)."""
+        return [p[0] for p in self._read_manifest()["tables"].get(table(table_name).name, [])]
+
+    def _refresh_views(self, session: Any) -> None:
+        try:
+            st = os.stat(self.root / "manifest.json")
+        except FileNotFoundError as e:
+            raise StoreUnavailable(f"the embedded store at {self.root} is gone") from e
+        stamp = (st.st_mtime_ns, st.st_ino, st.st_size)
+        if stamp == self._manifest_stamp and getattr(session, "_ranklens_db", None) == self._db:
+            return
+        m = self._read_manifest()
+        if getattr(session, "_ranklens_db", None) != self._db:
+            session.query(f"CREATE DATABASE IF NOT EXISTS {self._db}")
+            session.query(f"USE {self._db}")
+            session._ranklens_db = self._db
+            self._views = getattr(session, "_ranklens_views", {}).setdefault(self._db, {})
+        for name, t in TABLES.items():
+            parts = tuple(p[0] for p in m["tables"].get(name, [])) or ("empty.parquet",)
+            if self._views.get(name) == parts:
+                continue
+            d = self.root / "parts" / name
+            if len(parts) == 1:
+                path = str(d / parts[0])
+            else:
+                path = f"{d}/{{{','.join(parts)}}}"
+            session.query(
+                f"CREATE OR REPLACE VIEW {self._db}.{name} AS SELECT * FROM "
+                f"file({_sql_quote(path)}, Parquet, {_sql_quote(t.structure())})"
+            )
+            self._views[name] = parts
+        self._manifest_stamp = stamp
+
+    def query(self, sql: str) -> QueryResult:
+        with _session_lock:
+            session = _chdb_session()
+            if not hasattr(session, "_ranklens_views"):
+                session._ranklens_views = {}
+            self._refresh_views(session)
+            try:
+                result = session.query(sql, "ArrowTable")
+            except Exception as e:  # chdb raises RuntimeError subclasses
+                raise StoreError(f"query failed on the embedded store: {e}") from e
+        return QueryResult(result)
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"EmbeddedStore({str(self.root)!r})"

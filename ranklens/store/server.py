@@ -1,0 +1,278 @@
+"""The server store: a ClickHouse server or cluster over the native protocol (clickhouse-driver).
+
+* One ``Client`` per thread (clickhouse-driver's client is not thread-safe).
+* Inserts are columnar, one block per table batch, so each batch is atomic on the server.
+* Connection failures are retried with exponential backoff; a failure after the block may have
+  reached the server is *not* retried blindly (it could duplicate rows): it raises
+  :class:`StoreUnavailable` and the caller (the collector) keeps the data and retries the part.
+* Minimum server version: 18.16 (Debian's). The SQL the analyzers use avoids newer features.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from ranklens.errors import ConfigError, SchemaVersionError, StoreError, StoreUnavailable
+from ranklens.records import arrow_schema, to_arrow
+from ranklens.schema import META_TABLE, SCHEMA_VERSION, render_server_ddl, table
+from ranklens.store.api import QueryResult
+
+__all__ = ["ServerConfig", "ServerStore"]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 9000
+    user: str = "default"
+    password: str = ""
+    database: str = "ranklens"
+    secure: bool = False
+    verify: bool = True
+    ca_certs: str | None = None
+    connect_timeout_s: float = 5.0
+    send_receive_timeout_s: float = 300.0
+    retries: int = 3
+
+    @classmethod
+    def from_url(cls, url: str, *, password_env: str | None = None) -> ServerConfig:
+        """Parse ``clickhouse://user:password@host:port/database?verify=false&ca_certs=...``.
+
+        ``clickhouses://`` means TLS (default port 9440). A password absent from the URL is
+        taken from ``password_env`` when given.
+        """
+        parts = urlsplit(url)
+        if parts.scheme not in ("clickhouse", "clickhouses"):
+            raise ConfigError(f"not a ClickHouse URL: {url!r} (expected clickhouse:// or clickhouses://)")
+        secure = parts.scheme == "clickhouses"
+        q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        database = parts.path.lstrip("/") or "ranklens"
+        if not database.replace("_", "").isalnum():
+            raise ConfigError(f"database name {database!r} in {url!r}: use letters, digits and _")
+        try:
+            port = parts.port or (9440 if secure else 9000)
+        except ValueError as e:
+            raise ConfigError(f"bad port in store URL: {e}") from None
+        allowed = {"verify", "ca_certs", "connect_timeout", "send_receive_timeout", "retries"}
+        unknown = set(q) - allowed
+        if unknown:
+            raise ConfigError(f"unknown store URL option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        password = unquote(parts.password) if parts.password is not None else (password_env or "")
+        try:
+            return cls(
+                host=parts.hostname or "127.0.0.1",
+                port=port,
+                user=unquote(parts.username) if parts.username else "default",
+                password=password,
+                database=database,
+                secure=secure,
+                verify=q.get("verify", "true").lower() not in ("0", "false", "no"),
+                ca_certs=q.get("ca_certs"),
+                connect_timeout_s=float(q.get("connect_timeout", 5.0)),
+                send_receive_timeout_s=float(q.get("send_receive_timeout", 300.0)),
+                retries=int(q.get("retries", 3)),
+            )
+        except ValueError as e:
+            raise ConfigError(f"bad option value in store URL {url!r}: {e}") from None
+
+    def redacted_url(self) -> str:
+        scheme = "clickhouses" if self.secure else "clickhouse"
+        auth = f"{self.user}:***@" if self.password else f"{self.user}@"
+        return f"{scheme}://{auth}{self.host}:{self.port}/{self.database}"
+
+
+class ServerStore:
+    """A store on a ClickHouse server. Creates the database and tables when ``create``."""
+
+    backend = "server"
+
+    def __init__(self, config: ServerConfig, *, create: bool = True) -> None:
+        try:
+            import clickhouse_driver  # noqa: F401
+        except ImportError as e:  # pragma: no cover
+            raise StoreUnavailable("the server store needs clickhouse-driver: pip install 'ranklens[store]'") from e
+        self.config = config
+        self.url = config.redacted_url()
+        self._local = threading.local()
+        self._clients: list[Any] = []
+        self._clients_lock = threading.Lock()
+        if create:
+            self.create_schema()
+        self._check_version()
+
+    # -- connection -------------------------------------------------------------------
+    def _client(self, *, database: bool = True) -> Any:
+        key = "client_db" if database else "client_nodb"
+        c = getattr(self._local, key, None)
+        if c is None:
+            from clickhouse_driver import Client
+
+            cfg = self.config
+            kw: dict[str, Any] = {
+                "host": cfg.host,
+                "port": cfg.port,
+                "user": cfg.user,
+                "password": cfg.password,
+                "database": cfg.database if database else "default",
+                "secure": cfg.secure,
+                "verify": cfg.verify,
+                "connect_timeout": cfg.connect_timeout_s,
+                "send_receive_timeout": cfg.send_receive_timeout_s,
+                "client_name": "ranklens",
+            }
+            if cfg.ca_certs:
+                kw["ca_certs"] = cfg.ca_certs
+            c = Client(**kw)
+            setattr(self._local, key, c)
+            with self._clients_lock:
+                self._clients.append(c)
+        return c
+
+    def _execute(self, sql: str, params: Any = None, *, database: bool = True, **kw: Any) -> Any:
+        """Run one statement. Reads and DDL are retried on network errors; an insert only while
+        connecting (once its block may have reached the server, a retry could duplicate rows)."""
+        from clickhouse_driver import errors as ch_errors
+
+        network = (ch_errors.NetworkError, ch_errors.SocketTimeoutError, EOFError, OSError)
+        idempotent = params is None
+        delay = 0.2
+        for attempt in range(self.config.retries + 1):
+            client = self._client(database=database)
+            last = attempt == self.config.retries
+            try:
+                if not idempotent and not client.connection.connected:
+                    client.connection.connect()
+            except network as e:
+                client.disconnect()
+                if last:
+                    raise StoreUnavailable(
+                        f"ClickHouse server {self.url} is unavailable after {attempt + 1} attempt(s): {e}"
+                    ) from e
+                time.sleep(delay)
+                delay *= 2
+                continue
+            try:
+                return client.execute(sql, params, **kw)
+            except network as e:
+                client.disconnect()
+                if last or not idempotent:
+                    raise StoreUnavailable(
+                        f"ClickHouse server {self.url} failed during a request "
+                        f"(attempt {attempt + 1}): {e}"
+                    ) from e
+                time.sleep(delay)
+                delay *= 2
+            except ch_errors.ServerException as e:
+                raise StoreError(f"ClickHouse server {self.url} rejected the query: {e.message.strip()}") from e
+            except ch_errors.Error as e:
+                raise StoreError(f"ClickHouse client error against {self.url}: {e}") from e
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- schema -----------------------------------------------------------------------
+    def create_schema(self) -> None:
+        """Create the database and every table if missing; record the schema version."""
+        for stmt in render_server_ddl(self.config.database).split(";\n"):
+            stmt = "\n".join(line for line in stmt.splitlines() if not line.startswith("--")).strip()
+            if stmt:
+                self._execute(stmt, database=False)
+        rows = self._execute(f"SELECT value FROM {self.config.database}.{META_TABLE} WHERE key = 'schema_version'")
+        if not rows:
+            self._execute(
+                f"INSERT INTO {self.config.database}.{META_TABLE} (key, value, updated_ns) VALUES",
+                [("schema_version", str(SCHEMA_VERSION), time.time_ns())],
+            )
+
+    def _check_version(self) -> None:
+        try:
+            rows = self._execute(
+                f"SELECT argMax(value, updated_ns) FROM {self.config.database}.{META_TABLE} "
+                "WHERE key = 'schema_version'"
+            )
+        except StoreError as e:
+            if isinstance(e, StoreUnavailable):
+                raise
+            raise SchemaVersionError(
+                f"database {self.config.database} on {self.url} is not a ranklens store ({e}); "
+                "open it with create=True or `ranklens schema --target server | clickhouse-client -n`"
+            ) from e
+        found = rows[0][0] if rows else ""
+        if found != str(SCHEMA_VERSION):
+            raise SchemaVersionError(
+                f"database {self.config.database} on {self.url} has ranklens schema version "
+                f"{found or 'none'}, this ranklens expects {SCHEMA_VERSION}; use a matching ranklens "
+                "release or another database (…/other_db in the store URL)"
+            )
+
+    # -- writing ------------------------------------------------------------------------
+    def write(self, table_name: str, data: Any) -> int:
+        return self.write_many({table_name: data})[table_name]
+
+    def write_many(self, batches: Mapping[str, Any]) -> dict[str, int]:
+        import pyarrow as pa
+
+        counts: dict[str, int] = {}
+        prepared = []
+        for name, data in batches.items():
+            t = table(name)
+            if not isinstance(data, pa.Table):
+                data = to_arrow(t.name, data if isinstance(data, Iterable) else [data])
+            data = data.select(t.column_names).cast(arrow_schema(t.name))
+            counts[t.name] = counts.get(t.name, 0) + data.num_rows
+            if data.num_rows:
+                prepared.append((t, data))
+        for t, data in prepared:
+            columns = [data.column(c.name).to_pylist() for c in t.columns]
+            self._execute(
+                f"INSERT INTO {t.name} ({', '.join(t.column_names)}) VALUES",
+                columns,
+                columnar=True,
+            )
+        return counts
+
+    # -- reading ------------------------------------------------------------------------
+    def query(self, sql: str) -> QueryResult:
+        import pyarrow as pa
+
+        rows, types = self._execute(sql, with_column_types=True, columnar=True)
+        arrays = {}
+        for i, (name, ch_type) in enumerate(types):
+            values = list(rows[i]) if rows else []
+            arrays[name] = pa.array(values, type=_arrow_type(ch_type))
+        return QueryResult(pa.table(arrays) if arrays else pa.table({}))
+
+    def drop_database(self) -> None:
+        """Drop the whole database (tests and `ranklens` maintenance only)."""
+        self._execute(f"DROP DATABASE IF EXISTS {self.config.database}", database=False)
+
+    def close(self) -> None:
+        with self._clients_lock:
+            for c in self._clients:
+                c.disconnect()
+            self._clients.clear()
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return f"ServerStore({self.url!r})"
+
+
+def _arrow_type(ch_type: str) -> Any:
+    import pyarrow as pa
+
+    simple = {
+        "Int8": pa.int8(), "Int16": pa.int16(), "Int32": pa.int32(), "Int64": pa.int64(),
+        "UInt8": pa.uint8(), "UInt16": pa.uint16(), "UInt32": pa.uint32(), "UInt64": pa.uint64(),
+        "Float32": pa.float32(), "Float64": pa.float64(), "String": pa.string(),
+    }  # fmt: skip
+    if ch_type in simple:
+        return simple[ch_type]
+    if ch_type.startswith("Nullable(") and ch_type[9:-1] in simple:
+        return simple[ch_type[9:-1]]
+    if ch_type.startswith("Array(") and ch_type[6:-1] in simple:
+        return pa.list_(simple[ch_type[6:-1]])
+    return None  # let Arrow infer (tuples, dates, ...)
+
