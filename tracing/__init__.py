@@ -1,1 +1,187 @@
-"""(filled in below)"""
+"""In-process capture inside each training rank: steps, phases and every collective.
+
+Light by design: imports only the standard library and torch (and only when used). Typical use::
+
+    import ranklens.tracing as rlt
+
+    dist.init_process_group("gloo")
+    rlt.init()                                  # after init_process_group
+    model = DDP(model); rlt.instrument_ddp(model)
+    for i, batch in enumerate(loader):
+        with rlt.step(i):
+            with rlt.phase("forward"):
+                loss = model(batch)
+            ...
+    rlt.shutdown()
+
+Everything is a no-op until :func:`init` is called, and stays one when ``RANKLENS_DISABLE=1``.
+Records go to a local spool (``RANKLENS_SPOOL``, default ``/tmp/ranklens-spool``) that
+``ranklens collect`` ships to the store.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+from ranklens.config import DEFAULT_SPOOL_DIR as DEFAULT_SPOOL
+from ranklens.config import ENV_ATTEMPT, ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL
+from ranklens.tracing.tracer import Tracer
+
+__all__ = ["Tracer", "allreduce_hook", "get_tracer", "init", "instrument_ddp", "phase", "shutdown", "step"]
+
+log = logging.getLogger("ranklens.tracing")
+
+
+_tracer: Tracer | None = None
+
+
+def get_tracer() -> Tracer | None:
+    """The active tracer of this process, or None."""
+    return _tracer
+
+
+def _agree_on_job_id(dist: Any) -> str:
+    """A job id shared by all ranks: env, torchelastic's run id, or one rank 0 puts in the store."""
+    for var in (ENV_JOB_ID, "TORCHELASTIC_RUN_ID"):
+        v = os.environ.get(var)
+        if v and v != "none":
+            return v
+    if dist is not None and dist.is_initialized():
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if dist.get_rank() == 0:
+                store.set("ranklens/job_id", f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
+            return store.get("ranklens/job_id").decode()
+        except Exception:
+            log.exception("ranklens: could not agree on a job id through the store")
+    return f"local-{socket.gethostname()}-{os.getpid()}"
+
+
+def init(
+    *,
+    job_id: str | None = None,
+    attempt: int | None = None,
+    spool_dir: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    flush_interval_s: float = 0.5,
+    patch_distributed: bool = True,
+) -> Tracer | None:
+    """Start tracing this rank. Call after ``torch.distributed.init_process_group``.
+
+    Args:
+        job_id: shared by all ranks; default ``$RANKLENS_JOB_ID``, ``$TORCHELASTIC_RUN_ID``, or
+            agreed through the default process group's store.
+        attempt: restart attempt; default ``$RANKLENS_ATTEMPT`` or ``$TORCHELASTIC_RESTART_COUNT``.
+        spool_dir: local spool root; default ``$RANKLENS_SPOOL`` or ``/tmp/ranklens-spool``.
+        rank, world_size: default from torch.distributed (or ``$RANK``/``$WORLD_SIZE``).
+        patch_distributed: wrap torch.distributed's collectives to record the arrival ledger.
+
+    Returns:
+        The tracer, or None when disabled by ``RANKLENS_DISABLE=1`` or when setup failed (the
+        failure is logged; tracing never raises into the training script).
+    """
+    global _tracer
+    if os.environ.get(ENV_DISABLE, "").lower() in ("1", "true", "yes"):
+        return None
+    if _tracer is not None and _tracer.enabled:
+        return _tracer
+    try:
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            dist = None  # type: ignore[assignment]
+        initialized = dist is not None and dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if initialized else int(os.environ.get("RANK", "0"))
+        if world_size is None:
+            world_size = dist.get_world_size() if initialized else int(os.environ.get("WORLD_SIZE", "1"))
+        if attempt is None:
+            attempt = int(os.environ.get(ENV_ATTEMPT) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        tracer = Tracer(
+            job_id=job_id or _agree_on_job_id(dist if initialized else None),
+            attempt=attempt,
+            rank=rank,
+            world_size=world_size,
+            local_rank=int(os.environ.get("LOCAL_RANK", "-1")),
+            spool_dir=spool_dir or os.environ.get(ENV_SPOOL) or DEFAULT_SPOOL,
+            flush_interval_s=flush_interval_s,
+        )
+        if patch_distributed and dist is not None and dist.is_available():
+            from ranklens.tracing import _patch
+
+            _patch.patch(tracer)
+            if initialized:  # the world group is a member of every job
+                import torch.distributed.distributed_c10d as c10d
+
+                g = c10d._get_default_group()
+                pg = c10d._get_process_group_name(g)
+                tracer._pg_names[id(g)] = (pg, g)
+                _patch._register_group(tracer, c10d, g, pg)
+        _tracer = tracer
+        atexit.register(shutdown)
+        os.register_at_fork(after_in_child=tracer._after_fork_in_child)
+        return tracer
+    except Exception:
+        log.exception("ranklens: tracing could not start; training continues untraced")
+        return None
+
+
+def shutdown(timeout_s: float = 5.0) -> None:
+    """Flush and stop tracing (also runs at interpreter exit)."""
+    global _tracer
+    t = _tracer
+    if t is None:
+        return
+    try:
+        t.shutdown(timeout_s)
+        from ranklens.tracing import _patch
+
+        _patch.unpatch()
+    except Exception:
+        log.exception("ranklens: shutdown failed")
+    _tracer = None
+
+
+def step(n: int, **info: Any) -> contextlib.AbstractContextManager[None]:
+    """``with step(n):`` times training step ``n`` (a no-op when tracing is off)."""
+    t = _tracer
+    return t.step(n, **info) if t is not None and t.enabled else contextlib.nullcontext()
+
+
+def phase(name: str) -> contextlib.AbstractContextManager[None]:
+    """``with phase("forward"):`` times a phase of the current step (a no-op when off)."""
+    t = _tracer
+    return t.phase(name) if t is not None and t.enabled else contextlib.nullcontext()
+
+
+def allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
+    """A DDP communication hook: DDP's averaging all-reduce, routed through the traced
+    ``all_reduce`` so every gradient bucket lands in the arrival ledger.
+
+    (No annotations on purpose: DDP rejects string annotations, and this module uses
+    ``from __future__ import annotations``.)"""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+
+    def average(fut: Any) -> Any:
+        return fut.value()[0].div_(world)
+
+    return work.get_future().then(average)
+
+
+def instrument_ddp(model: Any, process_group: Any = None) -> Any:
+    """Register :func:`allreduce_hook` on a ``DistributedDataParallel`` model; returns it."""
+    model.register_comm_hook(process_group, allreduce_hook)
+    return model
+

@@ -1,0 +1,148 @@
+"""Blame: per ``(pg, seq)`` who arrived last and how long everybody else waited for it.
+
+Metric (SQL, runs inside the store on chDB and on a ClickHouse server >= 18.16):
+for every collective with at least two members, the last arriver, the wait of every other member
+(last arrival minus its own arrival) and the mean wait of the others; summed per
+(last arriver, step). The decision is a detector passed in (:mod:`ranklens.analyzers.detectors`);
+presentation lives elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ranklens.store.api import Store
+
+__all__ = ["BlameMatrix", "blame_sql", "compute_blame", "latest_job", "step_times_sql", "union_length"]
+
+
+def _esc(s: str) -> str:
+    return s.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def blame_sql(job_id: str, attempt: int, t0_ns: int) -> str:
+    """Per (last arriver, step): the collectives it was last at, each with its last arrival and
+    the mean wait of the other members. Arrival times are taken relative to ``t0_ns`` in Float64
+    so sums cannot overflow Int64 at 10,000 ranks."""
+    return f"""
+SELECT last_rank, at_step, count() AS collectives,
+       groupArray(last_enter) AS last_enters, groupArray(delay_ns) AS delays, avg(members) AS avg_members
+FROM
+(
+    SELECT pg, seq,
+           argMax(rank, enter_ns) AS last_rank,
+           argMax(step, enter_ns) AS at_step,
+           count() AS members,
+           toFloat64(max(enter_ns) - {t0_ns}) AS last_enter,
+           (last_enter * count() - sum(toFloat64(enter_ns - {t0_ns}))) / (members - 1) AS delay_ns
+    FROM collectives
+    WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= 0
+    GROUP BY pg, seq
+    HAVING members >= 2
+)
+GROUP BY last_rank, at_step
+ORDER BY at_step, last_rank
+""".strip()
+
+
+def union_length(ends: np.ndarray, lengths: np.ndarray) -> float:
+    """Total length of the union of intervals ``[end - length, end]``.
+
+    Waits for one culprit overlap when collectives are asynchronous (DDP launches several bucket
+    all-reduces before anyone waits): the job lost the union of those waits, not their sum."""
+    if len(ends) == 0:
+        return 0.0
+    starts = ends - np.maximum(lengths, 0.0)
+    order = np.argsort(starts)
+    total, cur_s, cur_e = 0.0, float(starts[order[0]]), float(ends[order[0]])
+    for k in order[1:]:
+        s, e = float(starts[k]), float(ends[k])
+        if s > cur_e:
+            total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + cur_e - cur_s
+
+
+def step_times_sql(job_id: str, attempt: int) -> str:
+    """Per step: the median step duration over ranks, and the step's first start."""
+    return f"""
+SELECT step, quantileExact(0.5)(end_ns - start_ns) AS step_ns, min(start_ns) AS first_start_ns, count() AS ranks
+FROM steps
+WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}
+GROUP BY step
+ORDER BY step
+""".strip()
+
+
+def latest_job(store: Store) -> tuple[str, int] | None:
+    """The job and attempt with the most recent step, or None for an empty store."""
+    r = store.query("SELECT job_id, attempt FROM steps ORDER BY end_ns DESC LIMIT 1")
+    if r.num_rows == 0:
+        r = store.query("SELECT job_id, attempt FROM collectives ORDER BY enter_ns DESC LIMIT 1")
+    if r.num_rows == 0:
+        return None
+    job, attempt = r.rows()[0]
+    return str(job), int(attempt)
+
+
+@dataclass(frozen=True)
+class BlameMatrix:
+    """Blame per rank x step (seconds). ``delay_s[i, j]``: how long the others waited for rank
+    ``ranks[i]`` in step ``steps[j]`` (mean over the others, summed over collectives);
+    ``wait_s``: that delay times the number of others (rank-seconds, i.e. GPU-seconds)."""
+
+    job_id: str
+    attempt: int
+    ranks: np.ndarray
+    steps: np.ndarray
+    delay_s: np.ndarray
+    wait_s: np.ndarray
+    last_count: np.ndarray
+    step_time_s: np.ndarray
+    step_start_ns: np.ndarray
+    hosts: dict[int, str]
+    sql: str
+
+
+def compute_blame(store: Store, job_id: str, attempt: int = 0) -> BlameMatrix:
+    """Run the blame metric in the store and shape it as a rank x step matrix."""
+    t0 = store.query(
+        f"SELECT min(enter_ns) FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+    ).scalar()
+    sql = blame_sql(job_id, attempt, int(t0 or 0))
+    b = store.query(sql)
+    st = store.query(step_times_sql(job_id, attempt))
+    hosts_q = store.query(
+        f"SELECT rank, any(host) AS host FROM ranks WHERE job_id = '{_esc(job_id)}' "
+        f"AND attempt = {int(attempt)} GROUP BY rank"
+    )
+    hosts = {int(r): str(h) for r, h in hosts_q.rows()}
+    steps = st.column("step").astype(np.int64) if st.num_rows else np.array(sorted(set(b.column("at_step").tolist())), dtype=np.int64)
+    ranks_seen = set(hosts) | {int(x) for x in b.column("last_rank")} if b.num_rows else set(hosts)
+    ranks = np.array(sorted(ranks_seen), dtype=np.int64)
+    ri = {int(r): i for i, r in enumerate(ranks)}
+    si = {int(s): j for j, s in enumerate(steps)}
+    shape = (len(ranks), len(steps))
+    delay = np.zeros(shape)
+    wait = np.zeros(shape)
+    count = np.zeros(shape, dtype=np.int64)
+    for last, step, n, ends, delays, members in b.rows():
+        j = si.get(int(step))
+        if j is None:
+            continue
+        i = ri[int(last)]
+        d = union_length(np.asarray(ends, dtype=np.float64), np.asarray(delays, dtype=np.float64)) / 1e9
+        delay[i, j] += d
+        wait[i, j] += d * (float(members) - 1.0)
+        count[i, j] += int(n)
+    if st.num_rows:
+        step_time = st.column("step_ns").astype(np.float64) / 1e9
+        step_start = st.column("first_start_ns").astype(np.int64)
+    else:
+        step_time = np.full(len(steps), np.nan)
+        step_start = np.zeros(len(steps), dtype=np.int64)
+    return BlameMatrix(job_id, attempt, ranks, steps, delay, wait, count, step_time, step_start, hosts, sql)

@@ -1,0 +1,105 @@
+"""Findings: what an analyzer concluded, with evidence, confidence, impact and a stable identity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+from ranklens.store.api import Store
+
+__all__ = ["Finding", "Severity", "Suspect", "finding_id", "latest_findings", "save_findings"]
+
+
+class Severity(str, Enum):
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
+@dataclass(frozen=True)
+class Suspect:
+    rank: int
+    node: str = ""
+    gpu: str = ""
+
+
+def finding_id(job_id: str, attempt: int, kind: str, key: str) -> str:
+    """Stable id: the same ongoing problem (job, attempt, kind, suspect) keeps one id."""
+    return hashlib.sha1(f"{job_id}\0{attempt}\0{kind}\0{key}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One detection. ``evidence`` holds the numbers and the SQL that reproduces them."""
+
+    id: str
+    job_id: str
+    attempt: int
+    kind: str
+    severity: Severity
+    confidence: float
+    title: str
+    suspects: tuple[Suspect, ...]
+    first_seen_step: int
+    last_seen_step: int
+    first_seen_ns: int = 0
+    last_seen_ns: int = 0
+    impact_s: float = 0.0
+    impact_gpu_s: float = 0.0
+    step_time_pct: float = 0.0
+    evidence: dict[str, Any] = field(default_factory=dict)
+    state: str = "open"
+    detector: str = ""
+    updated_ns: int = field(default_factory=time.time_ns)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["severity"] = self.severity.value
+        d["suspects"] = [asdict(s) for s in self.suspects]
+        d["impact"] = {
+            "seconds_lost": round(self.impact_s, 6),
+            "gpu_seconds_lost": round(self.impact_gpu_s, 6),
+            "step_time_pct": round(self.step_time_pct, 3),
+        }
+        return d
+
+    def to_row(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "job_id": self.job_id, "attempt": self.attempt, "kind": self.kind,
+            "severity": self.severity.value, "confidence": float(self.confidence), "title": self.title,
+            "suspect_ranks": [s.rank for s in self.suspects],
+            "suspect_hosts": sorted({s.node for s in self.suspects if s.node}),
+            "suspect_gpus": [s.gpu for s in self.suspects if s.gpu], "suspect_links": [],
+            "first_seen_step": self.first_seen_step, "last_seen_step": self.last_seen_step,
+            "first_seen_ns": self.first_seen_ns, "last_seen_ns": self.last_seen_ns,
+            "impact_s": float(self.impact_s), "impact_gpu_s": float(self.impact_gpu_s),
+            "step_time_pct": float(self.step_time_pct), "evidence": json.dumps(self.evidence, default=str),
+            "state": self.state, "detector": self.detector, "updated_ns": self.updated_ns,
+        }  # fmt: skip
+
+
+def save_findings(store: Store, findings: list[Finding]) -> int:
+    """Append a new version of each finding (readers take the newest per id)."""
+    if not findings:
+        return 0
+    return store.write("findings", [f.to_row() for f in findings])
+
+
+def latest_findings(store: Store, job_id: str, attempt: int | None = None) -> list[dict[str, Any]]:
+    """The newest version of every finding of a job, most impactful first."""
+    where = f"job_id = '{_esc(job_id)}'" + (f" AND attempt = {int(attempt)}" if attempt is not None else "")
+    r = store.query(
+        "SELECT id, argMax(kind, updated_ns) AS kind, argMax(severity, updated_ns) AS severity, "
+        "argMax(title, updated_ns) AS title, argMax(state, updated_ns) AS state, "
+        "argMax(impact_s, updated_ns) AS impact_s, argMax(suspect_ranks, updated_ns) AS suspect_ranks, "
+        f"max(updated_ns) AS updated_ns FROM findings WHERE {where} GROUP BY id ORDER BY impact_s DESC, id"
+    )
+    return r.to_pylist()
+
+
+def _esc(s: str) -> str:
+    return s.replace("\\", "\\\\").replace("'", "\\'")

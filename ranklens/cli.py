@@ -1,0 +1,322 @@
+"""The ``ranklens`` command line. Every command takes ``--store URL`` (env ``RANKLENS_STORE``).
+
+Exit codes (scripts may rely on them): 0 success, 1 unexpected error, 2 bad usage or
+configuration, 3 store error, 4 store unavailable, 5 schema version mismatch, 6 malformed input
+(nothing written), 7 the demo's job failed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from ranklens import __version__
+from ranklens.config import ENV_STORE
+from ranklens.errors import EXIT_CODES, RanklensError
+
+__all__ = ["main"]
+
+_EPILOG = "Exit codes: " + ", ".join(f"{k} {v}" for k, v in EXIT_CODES.items()) + "."
+
+
+def _store_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--store",
+        "store_url",
+        envvar=ENV_STORE,
+        default=None,
+        metavar="URL",
+        help="embedded:///dir (default: ./ranklens-store) or clickhouse://user:pass@host:9000/db "
+        f"(clickhouses:// for TLS). Env: {ENV_STORE}.",
+    )(f)
+
+
+def _errors(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn ranklens errors into one clear line on stderr and the documented exit code."""
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return f(*args, **kwargs)
+        except RanklensError as e:
+            click.echo(f"ranklens: error: {e}", err=True)
+            sys.exit(e.exit_code)
+
+    return wrapper
+
+
+def _open(store_url: str | None, *, create: bool = True) -> Any:
+    from ranklens.store import open_store
+
+    return open_store(store_url, create=create)
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (bytes, bytearray)):
+        return o.decode(errors="replace")
+    return str(o)
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, list):
+        return [_clean(x) for x in v]
+    return v
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=_EPILOG)
+@click.version_option(__version__, prog_name="ranklens")
+def cli() -> None:
+    """ranklens: which rank, GPU, node or link is slowing or hanging a distributed training job,
+    since when, and what it costs.
+
+    \b
+    Quick start:
+      ranklens demo                 run a real 4-rank job with a slowed rank, and diagnose it
+      ranklens analyze --json       findings of the latest job in the store
+      ranklens sql "SELECT ..."     query the store
+    """
+
+
+@cli.command()
+def version() -> None:
+    """Print the version of ranklens and of its schema."""
+    from ranklens.schema import SCHEMA_VERSION
+
+    click.echo(f"ranklens {__version__} (schema {SCHEMA_VERSION})")
+
+
+@cli.command(epilog=_EPILOG)
+@_store_option
+@click.option("--ranks", type=click.IntRange(2, 64), default=4, show_default=True, help="Ranks (processes) of the job.")
+@click.option("--slow-rank", type=int, default=2, show_default=True, help="The rank to slow down.")
+@click.option("--slowdown", type=float, default=1.5, show_default=True,
+              help="Compute-time factor of the slowed rank (1.5 = its compute takes 50% longer).")  # fmt: skip
+@click.option("--slow-from-step", type=int, default=5, show_default=True, help="First slowed step.")
+@click.option("--steps", type=click.IntRange(5, 100000), default=30, show_default=True, help="Training steps.")
+@click.option("--compute-ms", type=click.FloatRange(1, 10000), default=60.0, show_default=True,
+              help="Per-step device time of a healthy rank.")  # fmt: skip
+@click.option("--healthy", is_flag=True, help="Slow no rank: the run must produce no straggler finding.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+@_errors
+def demo(store_url: str | None, ranks: int, slow_rank: int, slowdown: float, slow_from_step: int, steps: int,
+         compute_ms: float, healthy: bool, as_json: bool) -> None:  # fmt: skip
+    """Run a real multi-rank training job (gloo, CPU, DDP + an extra process group) with one rank
+    slowed, collect it into the store while it runs, analyze it and print what is wrong."""
+    from ranklens.demo import run_demo
+
+    store = _open(store_url)
+    say = (lambda s: click.echo(s, err=True)) if as_json else click.echo
+    say(f"ranklens demo: store {store.url}")
+    bar_state = {"last": 0}
+
+    def on_step(s: int) -> None:
+        if not as_json and sys.stdout.isatty():
+            click.echo(f"\r  training: step {s}/{steps}", nl=False)
+        elif s - bar_state["last"] >= max(1, steps // 5) or s == steps:
+            say(f"  training: step {s}/{steps}")
+        bar_state["last"] = s
+
+    result = run_demo(
+        store, ranks=ranks, slow_rank=None if healthy else slow_rank, slowdown=slowdown, steps=steps,
+        slow_from_step=slow_from_step, compute_ms=compute_ms, log=lambda s: say("  " + s), on_step=on_step,
+    )  # fmt: skip
+    if not as_json and sys.stdout.isatty():
+        click.echo()
+    rows = sum(result.rows.values())
+    if as_json:
+        click.echo(json.dumps({
+            "job_id": result.job_id, "store": store.url, "ranks": ranks, "steps": steps,
+            "slow_rank": result.slow_rank, "wall_s": round(result.wall_s, 3), "rows": result.rows,
+            "findings": [f.to_json() for f in result.findings],
+        }, default=_json_default))  # fmt: skip
+        return
+    click.echo(f"job {result.job_id} finished in {result.wall_s:.1f} s; {rows:,} records collected into the store.")
+    _print_findings(result.findings)
+    q = f" --store {store.url}" if store_url else ""
+    click.echo("\nLook further:")
+    click.echo(f"  ranklens analyze{q} --job {result.job_id} --json")
+    click.echo(
+        f"  ranklens sql{q} \"SELECT rank, phase, round(avg(end_ns - start_ns) / 1e6, 1) AS ms FROM phases "
+        f"WHERE job_id = '{result.job_id}' GROUP BY rank, phase ORDER BY phase, rank\""
+    )
+    click.echo(f"  rank logs: {result.log_dir}")
+
+
+def _print_findings(findings: list[Any]) -> None:
+    if not findings:
+        click.echo("\nNo findings: no rank kept the others waiting.")
+        return
+    click.echo(f"\nFindings ({len(findings)}), most costly first:")
+    for f in findings:
+        click.echo(f"  [{f.severity.value.upper()}] {f.kind}: {f.title}")
+        click.echo(
+            f"      impact: {f.impact_s:.2f} s of job time lost so far ({f.impact_gpu_s:.2f} GPU-s), "
+            f"confidence {f.confidence:.2f}, {f.state}, id {f.id}"
+        )
+
+
+@cli.command(epilog=_EPILOG)
+@_store_option
+@click.option("--job", "job_id", default=None, help="Job id (default: the job with the most recent step).")
+@click.option("--attempt", type=int, default=None, help="Restart attempt (default: the latest of the job).")
+@click.option("--json", "as_json", is_flag=True, help='Print {"findings": [...]} as one JSON object.')
+@click.option("--no-save", is_flag=True, help="Do not write the findings to the store.")
+@_errors
+def analyze(store_url: str | None, job_id: str | None, attempt: int | None, as_json: bool, no_save: bool) -> None:
+    """Analyze a job in the store and print its findings (stragglers, for now)."""
+    from ranklens.analyzers import find_stragglers, latest_job, save_findings
+
+    store = _open(store_url, create=False)
+    if job_id is None:
+        latest = latest_job(store)
+        if latest is None:
+            raise RanklensError(f"the store {store.url} holds no job yet; run `ranklens demo` or ingest records")
+        job_id, found_attempt = latest
+        attempt = found_attempt if attempt is None else attempt
+    elif attempt is None:
+        esc = job_id.replace("\\", "\\\\").replace("'", "\\'")
+        attempt = int(store.query(f"SELECT max(attempt) FROM collectives WHERE job_id = '{esc}'").scalar() or 0)
+    findings = find_stragglers(store, job_id, attempt)
+    if not no_save:
+        save_findings(store, findings)
+    if as_json:
+        click.echo(json.dumps({"job_id": job_id, "attempt": attempt, "findings": [f.to_json() for f in findings]},
+                              default=_json_default))  # fmt: skip
+        return
+    click.echo(f"job {job_id} attempt {attempt}")
+    _print_findings(findings)
+
+
+@cli.command(epilog=_EPILOG)
+@_store_option
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet", "flight-recorder", "kineto"]), default=None,
+              help="Input format (default: by file extension: .jsonl or .parquet).")  # fmt: skip
+@click.option("--table", default=None, help="Table of the records, when neither header nor file name tells.")
+@_errors
+def ingest(store_url: str | None, paths: tuple[str, ...], fmt: str | None, table: str | None) -> None:
+    """Load records (the open JSON Lines / Parquet format, docs/ingest-format.md) into the store.
+
+    Every file is validated before anything is written: a malformed file is named with its
+    line/row and field, and nothing is written.
+    """
+    from ranklens.ingest import expand, ingest_paths
+
+    if fmt in ("flight-recorder", "kineto"):
+        raise RanklensError(
+            f"--format {fmt} is not supported by this release yet (flight-recorder dumps: issue #6, "
+            "Kineto traces: issue #3); convert to the open JSON Lines format meanwhile"
+        )
+    files = expand(list(paths))
+    store = _open(store_url)
+    with click.progressbar(length=len(files), label="validating", file=sys.stderr,
+                           show_pos=True) as bar:  # fmt: skip
+        written = ingest_paths(store, files, fmt=fmt, table=table, progress=lambda _p: bar.update(1))
+    for name, n in sorted(written.items()):
+        click.echo(f"{name}: {n:,} rows")
+    click.echo(f"ingested {len(files)} file(s) into {store.url}")
+
+
+@cli.command(epilog=_EPILOG)
+@_store_option
+@click.argument("query")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array of row objects.")
+@click.option("--max-rows", type=int, default=1000, show_default=True, help="Rows to print at most (table output).")
+@_errors
+def sql(store_url: str | None, query: str, as_json: bool, max_rows: int) -> None:
+    """Run one SQL query (ClickHouse dialect) against the store and print the rows.
+
+    Tables: collectives, phases, steps, process_groups, ranks, gpu_samples, gpu_events,
+    log_events, heartbeats, findings, actions, drops (see `ranklens schema`).
+    """
+    store = _open(store_url, create=False)
+    r = store.query(query)
+    if as_json:
+        click.echo(json.dumps([{k: _clean(v) for k, v in row.items()} for row in r.to_pylist()], default=_json_default))
+        return
+    cols = r.columns
+    rows = [[_fmt(v) for v in row] for row in r.rows()[:max_rows]]
+    widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(cols)]
+    click.echo("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    click.echo("  ".join("-" * w for w in widths))
+    for row in rows:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+    more = f" (showing {max_rows})" if r.num_rows > max_rows else ""
+    click.echo(f"({r.num_rows} row{'s' if r.num_rows != 1 else ''}{more})", err=True)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+@cli.command(epilog=_EPILOG)
+@_store_option
+@click.option("--spool", "spool_dir", envvar="RANKLENS_SPOOL", default="/tmp/ranklens-spool", show_default=True,
+              help="Spool root the tracers write (env RANKLENS_SPOOL).")  # fmt: skip
+@click.option("--follow", is_flag=True, help="Keep shipping until interrupted.")
+@click.option("--interval", type=click.FloatRange(0.05, 3600), default=1.0, show_default=True, help="Seconds between passes.")
+@_errors
+def collect(store_url: str | None, spool_dir: str, follow: bool, interval: float) -> None:
+    """Ship rank spools into the store (a segment is deleted only after the store has it)."""
+    from ranklens.collector import Shipper
+
+    store = _open(store_url)
+    shipper = Shipper(spool_dir, store)
+
+    def report(r: Any) -> None:
+        if r.segments or r.quarantined or r.error:
+            parts = [f"{r.segments} segment(s)", ", ".join(f"{k} {v}" for k, v in sorted(r.rows.items()))]
+            if r.quarantined:
+                parts.append(f"{r.quarantined} quarantined")
+            if r.error:
+                parts.append(f"store error, kept for retry: {r.error}")
+            click.echo("collect: " + "; ".join(p for p in parts if p), err=True)
+
+    if not follow:
+        r = shipper.ship_once()
+        report(r)
+        if r.error:
+            raise RanklensError(r.error)
+        return
+    try:
+        shipper.run(interval_s=interval, on_pass=report)
+    except KeyboardInterrupt:
+        shipper.ship_once()
+
+
+@cli.command(epilog=_EPILOG)
+@click.option("--target", type=click.Choice(["server", "cluster", "embedded"]), default="server", show_default=True)
+@click.option("--database", default="ranklens", show_default=True)
+@click.option("--cluster", default="ranklens", show_default=True, help="Cluster name (--target cluster).")
+def schema(target: str, database: str, cluster: str) -> None:
+    """Print the DDL of ranklens' tables for a ClickHouse server, a cluster, or the embedded store."""
+    from ranklens.schema import TABLES, render_cluster_ddl, render_server_ddl
+
+    if target == "server":
+        click.echo(render_server_ddl(database), nl=False)
+    elif target == "cluster":
+        click.echo(render_cluster_ddl(database, cluster), nl=False)
+    else:
+        for t in TABLES.values():
+            click.echo(f"-- {t.doc}\nCREATE VIEW {t.name} AS SELECT * FROM file('<store>/parts/{t.name}/<parts>', "
+                       f"Parquet, '{t.structure()}');")  # fmt: skip
+
+
+def main() -> None:
+    cli(prog_name="ranklens")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""One rank of the demo job: a small MLP trained with DDP on gloo, plus an extra process group.
+
+Run by :func:`ranklens.demo.run_demo` as ``python -m ranklens.demo.worker``; the usual
+torch.distributed variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) come from the launcher.
+The slowed rank emulates a slow device: its compute phase takes ``slowdown`` times as long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ranklens.demo.worker")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slowdown", type=float, default=1.0)
+    p.add_argument("--slow-from-step", type=int, default=0)
+    p.add_argument("--compute-ms", type=float, default=60.0)
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ranklens.tracing as rlt
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rlt.init()
+
+    # An extra process group next to DDP's world group: pairs of ranks (like tensor-parallel).
+    pairs = [dist.new_group([r, r + 1], group_desc=f"pair_{r // 2}") for r in range(0, world - 1, 2)]
+    my_pair = pairs[rank // 2] if rank // 2 < len(pairs) else None
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+    ddp = DDP(model, bucket_cap_mb=0.25)
+    rlt.instrument_ddp(ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1000 + rank)
+
+    for step in range(args.steps):
+        with rlt.step(step, samples=32):
+            with rlt.phase("data"):
+                x = torch.randn(32, 64, generator=gen)
+                y = torch.randn(32, 8, generator=gen)
+                time.sleep(0.005)
+            with rlt.phase("forward"):
+                t = time.perf_counter()
+                loss = nn.functional.mse_loss(ddp(x), y)
+                # The "device" time of this step: the same for every rank, stretched on the slow one.
+                device_s = args.compute_ms / 1000.0
+                if rank == args.slow_rank and step >= args.slow_from_step:
+                    device_s *= args.slowdown
+                time.sleep(max(0.0, device_s - (time.perf_counter() - t)))
+            with rlt.phase("backward"):
+                loss.backward()  # DDP's bucket all-reduces, traced through the comm hook
+            with rlt.phase("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if my_pair is not None:
+                metric = loss.detach().reshape(1)
+                dist.all_reduce(metric, group=my_pair)
+        if rank == 0:
+            print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
+
+    dist.barrier()
+    rlt.shutdown()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

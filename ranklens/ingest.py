@@ -1,0 +1,181 @@
+"""The open ingest format: JSON Lines or Parquet files of ranklens records, one table per file.
+
+JSON Lines: an optional header line ``{"ranklens": "records", "version": 1, "table": "<table>"}``,
+then one JSON object per line whose keys are the table's columns (docs/ingest-format.md).
+Parquet: columns named like the table's columns. The table comes from (in order) the caller's
+``table`` argument, the JSONL header / Parquet metadata key ``ranklens.table``, or the file name's
+first word (``collectives.jsonl``, ``steps-rank3.parquet``).
+
+Everything is read and validated before anything is written: a malformed file raises
+:class:`IngestError` naming the file, line/row and field, and the store is untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ranklens.errors import IngestError
+from ranklens.records import arrow_schema, check_value, to_arrow
+from ranklens.schema import TABLES
+from ranklens.store.api import Store
+
+__all__ = ["FORMATS", "ingest_paths", "read_file", "read_jsonl", "read_parquet"]
+
+FORMATS = ("jsonl", "parquet", "flight-recorder", "kineto")
+SPOOL_VERSION = 1
+
+
+def _table_from_name(path: Path) -> str | None:
+    word = re.split(r"[.\-]", path.name, maxsplit=1)[0]
+    return word if word in TABLES else None
+
+
+def _resolve_table(path: Path, explicit: str | None, declared: str | None) -> str:
+    for candidate, source in ((explicit, "--table"), (declared, "the file's header"), (_table_from_name(path), "the file name")):
+        if candidate:
+            if candidate not in TABLES:
+                raise IngestError(str(path), "", f"unknown table {candidate!r} from {source}; tables: {', '.join(TABLES)}")
+            return candidate
+    raise IngestError(
+        str(path), "", "cannot tell which table the records belong to: add a header line "
+        '{"ranklens": "records", "version": 1, "table": "..."}, name the file <table>.jsonl, or pass --table'
+    )  # fmt: skip
+
+
+def read_jsonl(path: str | Path, table: str | None = None) -> tuple[str, Any]:
+    """Read and validate a JSON Lines file; return (table name, Arrow table)."""
+    path = Path(path)
+    declared: str | None = None
+    rows: list[dict[str, Any]] = []
+    line_nos: list[int] = []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise IngestError(str(path), "", f"cannot open: {e.strerror}") from None
+    with f:
+        try:
+            for no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise IngestError(str(path), f"line {no}", f"not valid JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(obj, dict):
+                    raise IngestError(str(path), f"line {no}", f"expected a JSON object, got {type(obj).__name__}")
+                if "ranklens" in obj and not rows and declared is None:
+                    if obj.get("ranklens") != "records" or obj.get("version") != SPOOL_VERSION:
+                        raise IngestError(
+                            str(path), f"line {no}",
+                            f"unsupported header {obj!r}; this ranklens reads version {SPOOL_VERSION}",
+                        )  # fmt: skip
+                    declared = obj.get("table")
+                    continue
+                rows.append(obj)
+                line_nos.append(no)
+        except UnicodeDecodeError as e:
+            raise IngestError(str(path), f"byte {e.start}", "not UTF-8 text") from None
+    name = _resolve_table(path, table, declared)
+    t = TABLES[name]
+    for obj, no in zip(rows, line_nos):
+        for key, value in obj.items():
+            if not t.has_column(key):
+                raise IngestError(str(path), f"line {no}", f"field {key!r} is not a column of {name}")
+            try:
+                obj[key] = check_value(t.column(key), value)
+            except (TypeError, ValueError) as e:
+                raise IngestError(str(path), f"line {no}", f"field {key!r}: {e}") from None
+        for c in t.columns:
+            if c.required and c.name not in obj:
+                raise IngestError(str(path), f"line {no}", f"required field {c.name!r} is missing")
+    return name, to_arrow(name, rows, validate=False)
+
+
+def read_parquet(path: str | Path, table: str | None = None) -> tuple[str, Any]:
+    """Read and validate a Parquet file; return (table name, Arrow table)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    try:
+        data = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise IngestError(str(path), "", f"not a readable Parquet file: {e}") from None
+    meta = data.schema.metadata or {}
+    declared = meta.get(b"ranklens.table", b"").decode() or None
+    name = _resolve_table(path, table, declared)
+    t = TABLES[name]
+    target = arrow_schema(name)
+    extra = [c for c in data.column_names if not t.has_column(c)]
+    if extra:
+        raise IngestError(str(path), "", f"column(s) {extra} are not columns of {name}")
+    arrays = []
+    for c, field in zip(t.columns, target):
+        if c.name not in data.column_names:
+            if c.required:
+                raise IngestError(str(path), "", f"required column {c.name!r} is missing")
+            arrays.append(pa.array([c.default_value()] * data.num_rows, type=field.type))
+            continue
+        col = data.column(c.name)
+        if col.null_count:
+            first = pc.index(pc.is_null(col), True).as_py()
+            raise IngestError(str(path), f"row {first}", f"column {c.name!r} is null (use the default instead)")
+        try:
+            arrays.append(col.cast(field.type, safe=True))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise IngestError(str(path), "", f"column {c.name!r} ({col.type}) cannot be read as {c.type}: {e}") from None
+    return name, pa.Table.from_arrays(arrays, schema=target)
+
+
+def read_file(path: str | Path, fmt: str | None = None, table: str | None = None) -> tuple[str, Any]:
+    """Read one file of the open format; ``fmt`` defaults to the file's extension."""
+    path = Path(path)
+    fmt = fmt or ("parquet" if path.suffix in (".parquet", ".pq") else "jsonl")
+    if fmt == "jsonl":
+        return read_jsonl(path, table)
+    if fmt == "parquet":
+        return read_parquet(path, table)
+    raise IngestError(str(path), "", f"format {fmt!r} is not readable by read_file")
+
+
+def expand(paths: Sequence[str | Path]) -> list[Path]:
+    """Files named, and the *.jsonl / *.parquet files under directories named (sorted)."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out.extend(sorted(q for q in p.rglob("*") if q.is_file() and q.suffix in (".jsonl", ".parquet", ".pq")))
+        elif p.exists():
+            out.append(p)
+        else:
+            raise IngestError(str(p), "", "no such file or directory")
+    return out
+
+
+def ingest_paths(
+    store: Store,
+    paths: Sequence[str | Path],
+    *,
+    fmt: str | None = None,
+    table: str | None = None,
+    progress: Callable[[Path], None] | None = None,
+) -> dict[str, int]:
+    """Validate every file, then write them all; returns rows written per table.
+
+    Raises:
+        IngestError: on the first malformed file (nothing was written).
+    """
+    import pyarrow as pa
+
+    batches: dict[str, list[Any]] = {}
+    for p in expand(paths):
+        name, data = read_file(p, fmt, table)
+        batches.setdefault(name, []).append(data)
+        if progress:
+            progress(p)
+    merged = {name: pa.concat_tables(parts) for name, parts in batches.items()}
+    return store.write_many(merged) if merged else {}

@@ -1,0 +1,176 @@
+"""Wrapping torch.distributed's collective and p2p functions to feed the arrival ledger.
+
+Each wrapper records arrival (enter) before calling torch, and completion either when the call
+returns (sync) or when its Work's future completes (``async_op=True``, ``isend``/``irecv``), so a
+late ``wait()`` does not stretch the measured time. Recording errors are counted, never raised;
+torch's own exceptions pass through untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Any
+
+__all__ = ["patch", "unpatch"]
+
+log = logging.getLogger("ranklens.tracing")
+
+# op name -> (name of the argument holding this rank's input, p2p direction or None)
+_OPS: dict[str, tuple[str | None, str | None]] = {
+    "all_reduce": ("tensor", None),
+    "broadcast": ("tensor", None),
+    "reduce": ("tensor", None),
+    "all_gather": ("tensor", None),
+    "all_gather_into_tensor": ("input_tensor", None),
+    "reduce_scatter": ("input_list", None),
+    "reduce_scatter_tensor": ("input", None),
+    "all_to_all": ("input_tensor_list", None),
+    "all_to_all_single": ("input", None),
+    "gather": ("tensor", None),
+    "scatter": ("tensor", None),
+    "barrier": (None, None),
+    "send": ("tensor", "send"),
+    "recv": ("tensor", "recv"),
+    "isend": ("tensor", "send"),
+    "irecv": ("tensor", "recv"),
+}
+
+_originals: dict[tuple[Any, str], Any] = {}
+
+
+def _nbytes(x: Any) -> tuple[int, str]:
+    if x is None:
+        return 0, ""
+    if isinstance(x, (list, tuple)):
+        total, dtype = 0, ""
+        for t in x:
+            n, dtype = _nbytes(t)
+            total += n
+        return total, dtype
+    try:
+        return int(x.numel()) * int(x.element_size()), str(x.dtype).removeprefix("torch.")
+    except Exception:
+        return 0, ""
+
+
+def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
+    arg_name, p2p = _OPS[name]
+    sig = inspect.signature(fn)
+    dist = c10d
+
+    def pg_info(group: Any) -> tuple[str, Any]:
+        g = group if group is not None else dist._get_default_group()
+        cached = tracer._pg_names.get(id(g))
+        if cached is None:
+            pg = dist._get_process_group_name(g)
+            cached = (pg, g)
+            tracer._pg_names[id(g)] = cached
+            _register_group(tracer, dist, g, pg)
+        return cached
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        row = None
+        if tracer.enabled:
+            try:
+                bound = sig.bind(*args, **kwargs)
+                a = bound.arguments
+                group = a.get("group")
+                if group is None or not dist._rank_not_in_group(group):
+                    pg, g = pg_info(group)
+                    nbytes, dtype = _nbytes(a.get(arg_name)) if arg_name else (0, "")
+                    async_op = bool(a.get("async_op", False)) or name in ("isend", "irecv")
+                    peer = -1
+                    if p2p is not None:
+                        peer_group = a.get("dst" if p2p == "send" else "src")
+                        if peer_group is None:  # newer torch: group_dst / group_src
+                            peer_group = a.get("group_dst" if p2p == "send" else "group_src")
+                        peer = int(peer_group) if peer_group is not None else -1
+                        me = tracer.rank
+                        src, dst = (me, peer) if p2p == "send" else (peer, me)
+                        pg = f"{pg}/p2p:{src}->{dst}"
+                    row = tracer.collective_entered(
+                        pg, tracer.next_seq(pg), name, nbytes, dtype, peer, async_op
+                    )
+            except Exception:
+                tracer.count_drop(f"collectives:{name}:record_error")
+                row = None
+        result = fn(*args, **kwargs)
+        if row is not None:
+            try:
+                if result is not None and hasattr(result, "get_future"):
+                    fut = result.get_future()
+                    fut.add_done_callback(lambda _f, r=row: tracer.collective_completed(r))
+                else:
+                    tracer.collective_completed(row)
+            except Exception:
+                tracer.count_drop(f"collectives:{name}:completion_error")
+        return result
+
+    wrapper.__ranklens_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _register_group(tracer: Any, dist: Any, g: Any, pg: str) -> None:
+    try:
+        ranks = [int(r) for r in dist.get_process_group_ranks(g)]
+        try:
+            backend = str(dist.get_backend(g))
+        except Exception:
+            backend = ""
+        tracer.add(
+            "process_groups",
+            {
+                "job_id": tracer.job_id,
+                "attempt": tracer.attempt,
+                "pg": pg,
+                "name": str(getattr(g, "group_desc", "") or ""),
+                "backend": backend,
+                "ranks": ranks,
+                "created_ns": tracer.clock(),
+            },
+        )
+    except Exception:
+        tracer.count_drop("process_groups:record_error")
+
+
+def _wrap_new_group(tracer: Any, fn: Any, c10d: Any) -> Any:
+    @functools.wraps(fn)
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        g = fn(*args, **kwargs)
+        try:
+            if g is not None and tracer.enabled and not c10d._rank_not_in_group(g):
+                pg = c10d._get_process_group_name(g)
+                tracer._pg_names[id(g)] = (pg, g)
+                _register_group(tracer, c10d, g, pg)
+        except Exception:
+            tracer.count_drop("process_groups:record_error")
+        return g
+
+    new_group.__ranklens_wrapped__ = fn  # type: ignore[attr-defined]
+    return new_group
+
+
+def patch(tracer: Any) -> None:
+    """Install wrappers on ``torch.distributed`` and ``torch.distributed.distributed_c10d``."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in [*_OPS, "new_group"]:
+        orig = getattr(c10d, name, None)
+        if orig is None:
+            continue
+        orig = getattr(orig, "__ranklens_wrapped__", orig)
+        wrapped = _wrap_new_group(tracer, orig, c10d) if name == "new_group" else _wrap(tracer, name, orig, c10d)
+        for mod in (dist, c10d):
+            if getattr(mod, name, None) is not None:
+                _originals.setdefault((mod, name), getattr(getattr(mod, name), "__ranklens_wrapped__", getattr(mod, name)))
+                setattr(mod, name, wrapped)
+
+
+def unpatch() -> None:
+    for (mod, name), orig in _originals.items():
+        setattr(mod, name, orig)
+    _originals.clear()

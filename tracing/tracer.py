@@ -1,0 +1,232 @@
+"""The per-rank tracer: steps, phases and the collective arrival ledger, buffered and spooled.
+
+Rules (DESIGN.md §1): never raise into user code, never block on I/O on the caller's thread,
+bounded buffers (drop and count), survives fork (children are not traced), one env var turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ranklens.tracing.spool import SpoolWriter
+
+__all__ = ["Tracer"]
+
+log = logging.getLogger("ranklens.tracing")
+
+TABLES = ("collectives", "steps", "phases", "process_groups", "ranks", "heartbeats", "drops")
+
+
+class Tracer:
+    """Collects records of one rank and spools them from a background thread.
+
+    Args:
+        job_id, attempt, rank, world_size: identity of this rank.
+        spool_dir: root of the local spool (the collector reads it).
+        flush_interval_s: how often the background thread writes segments.
+        max_buffered: rows held in memory at most; beyond it rows are dropped and counted.
+        clock: returns epoch nanoseconds (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        attempt: int,
+        rank: int,
+        world_size: int,
+        spool_dir: str,
+        local_rank: int = -1,
+        flush_interval_s: float = 0.5,
+        max_buffered: int = 500_000,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.job_id = job_id
+        self.attempt = attempt
+        self.rank = rank
+        self.world_size = world_size
+        self.spool_dir = spool_dir
+        self.clock = clock
+        self.enabled = True
+        self._ident = {"job_id": job_id, "attempt": attempt, "rank": rank}
+        self._writer = SpoolWriter(spool_dir, job_id, attempt, rank)
+        self._buf: list[tuple[str, dict[str, Any]]] = []
+        self._buf_lock = threading.Lock()
+        self._max = max_buffered
+        self._drops: Counter[str] = Counter()
+        self._drops_reported: Counter[str] = Counter()
+        self._step = -1
+        self._phase = ""
+        self._seq: dict[str, int] = {}
+        self._last_pg = ""
+        self._last_entered = -1
+        self._last_completed = -1
+        self._pg_names: dict[int, tuple[str, Any]] = {}
+        self._interval = flush_interval_s
+        self._stop = threading.Event()
+        self._flush_lock = threading.Lock()
+        self._pid = os.getpid()
+        self.add(
+            "ranks",
+            {
+                **self._ident,
+                "world_size": world_size,
+                "host": socket.gethostname(),
+                "local_rank": local_rank,
+                "pid": os.getpid(),
+                "started_ns": clock(),
+            },
+        )
+        self._thread = threading.Thread(target=self._run, name="ranklens-flush", daemon=True)
+        self._thread.start()
+
+    # -- buffering ------------------------------------------------------------------------
+    def add(self, table: str, row: dict[str, Any]) -> None:
+        """Buffer one row (never blocks on I/O; drops and counts when the buffer is full)."""
+        if not self.enabled:
+            return
+        buf = self._buf
+        if len(buf) >= self._max:
+            self._drops[f"{table}:buffer_full"] += 1
+            return
+        buf.append((table, row))
+
+    def _take(self) -> list[tuple[str, dict[str, Any]]]:
+        with self._buf_lock:
+            buf, self._buf = self._buf, []
+        return buf
+
+    def flush(self) -> None:
+        """Write everything buffered to the spool now (called by the background thread)."""
+        with self._flush_lock:
+            if os.getpid() != self._pid:
+                return
+            rows = self._take()
+            now = self.clock()
+            rows.append(
+                (
+                    "heartbeats",
+                    {
+                        **self._ident,
+                        "ts_ns": now,
+                        "pid": self._pid,
+                        "step": self._step,
+                        "phase": self._phase,
+                        "last_pg": self._last_pg,
+                        "last_seq_entered": self._last_entered,
+                        "last_seq_completed": self._last_completed,
+                    },
+                )
+            )
+            for what, n in (self._drops - self._drops_reported).items():
+                rows.append(
+                    (
+                        "drops",
+                        {"ts_ns": now, "host": socket.gethostname(), "job_id": self.job_id,
+                         "rank": self.rank, "component": "tracer", "what": what, "count": n},
+                    )  # fmt: skip
+                )
+            self._drops_reported = Counter(self._drops)
+            by_table: dict[str, list[dict[str, Any]]] = {}
+            for table, row in rows:
+                by_table.setdefault(table, []).append(row)
+            for table, trows in by_table.items():
+                try:
+                    self._writer.write(table, trows)
+                except OSError:
+                    self._drops[f"{table}:spool_write_failed"] += len(trows)
+                    log.exception("ranklens: cannot write the spool under %s", self.spool_dir)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.flush()
+            except Exception:  # never let the flusher die silently
+                log.exception("ranklens: flush failed")
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the background thread and write what is left (bounded by ``timeout_s``)."""
+        if not self.enabled:
+            return
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        try:
+            self.flush()
+        except Exception:
+            log.exception("ranklens: final flush failed")
+        self.enabled = False
+
+    def _after_fork_in_child(self) -> None:
+        # A forked child (e.g. a DataLoader worker) is not this rank: trace nothing there.
+        self.enabled = False
+        self._buf = []
+        self._buf_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+
+    # -- steps and phases -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, n: int, **info: Any) -> Iterator[None]:
+        """Time training step ``n``; ``info`` may carry samples, tokens, loss, grad_norm."""
+        start = self.clock()
+        self._step = n
+        try:
+            yield
+        finally:
+            try:
+                row = {**self._ident, "step": n, "start_ns": start, "end_ns": self.clock()}
+                for k in ("samples", "tokens", "loss", "grad_norm"):
+                    if info.get(k) is not None:
+                        row[k] = float(info[k]) if k in ("loss", "grad_norm") else int(info[k])
+                self.add("steps", row)
+            except Exception:
+                self._drops["steps:error"] += 1
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase (data, forward, backward, optimizer, or any name) of the current step."""
+        start = self.clock()
+        outer = self._phase
+        self._phase = name
+        try:
+            yield
+        finally:
+            self._phase = outer
+            try:
+                self.add(
+                    "phases",
+                    {**self._ident, "step": self._step, "phase": name, "start_ns": start, "end_ns": self.clock()},
+                )
+            except Exception:
+                self._drops["phases:error"] += 1
+
+    # -- collectives ------------------------------------------------------------------------
+    def next_seq(self, key: str) -> int:
+        n = self._seq.get(key, 0) + 1
+        self._seq[key] = n
+        return n
+
+    def collective_entered(self, pg: str, seq: int, op: str, nbytes: int, dtype: str, peer: int,
+                           async_op: bool) -> dict[str, Any]:  # fmt: skip
+        self._last_pg = pg
+        self._last_entered = seq
+        return {
+            **self._ident, "pg": pg, "seq": seq, "op": op, "nbytes": nbytes, "dtype": dtype,
+            "peer": peer, "step": self._step, "enter_ns": self.clock(), "async_op": int(async_op),
+        }  # fmt: skip
+
+    def collective_completed(self, row: dict[str, Any]) -> None:
+        row["end_ns"] = self.clock()
+        self._last_completed = row["seq"]
+        self.add("collectives", row)
+
+    def count_drop(self, what: str, n: int = 1) -> None:
+        self._drops[what] += n
