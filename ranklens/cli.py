@@ -315,6 +315,10 @@ def schema(target: str, database: str, cluster: str) -> None:
 
 
 def main() -> None:
+    import logging
+
+    # clickhouse-driver logs a traceback per failed connect; our error line says it once.
+    logging.getLogger("clickhouse_driver").setLevel(logging.CRITICAL)
     cli(prog_name="ranklens")
 
 

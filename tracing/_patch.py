@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 from typing import Any
 
 __all__ = ["patch", "unpatch"]
@@ -38,6 +39,8 @@ _OPS: dict[str, tuple[str | None, str | None]] = {
 }
 
 _originals: dict[tuple[Any, str], Any] = {}
+# torch implements some ops with others (send -> isend): record only the outermost call.
+_inside = threading.local()
 
 
 def _nbytes(x: Any) -> tuple[int, str]:
@@ -73,6 +76,8 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         row = None
+        if getattr(_inside, "depth", 0):
+            return fn(*args, **kwargs)
         if tracer.enabled:
             try:
                 bound = sig.bind(*args, **kwargs)
@@ -84,10 +89,12 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
                     async_op = bool(a.get("async_op", False)) or name in ("isend", "irecv")
                     peer = -1
                     if p2p is not None:
-                        peer_group = a.get("dst" if p2p == "send" else "src")
-                        if peer_group is None:  # newer torch: group_dst / group_src
-                            peer_group = a.get("group_dst" if p2p == "send" else "group_src")
-                        peer = int(peer_group) if peer_group is not None else -1
+                        peer_arg = a.get("dst" if p2p == "send" else "src")
+                        if peer_arg is None:  # given as a rank within the group
+                            group_peer = a.get("group_dst" if p2p == "send" else "group_src")
+                            if group_peer is not None:
+                                peer_arg = dist.get_global_rank(g, int(group_peer))
+                        peer = int(peer_arg) if peer_arg is not None else -1
                         me = tracer.rank
                         src, dst = (me, peer) if p2p == "send" else (peer, me)
                         pg = f"{pg}/p2p:{src}->{dst}"
@@ -97,12 +104,20 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
             except Exception:
                 tracer.count_drop(f"collectives:{name}:record_error")
                 row = None
-        result = fn(*args, **kwargs)
+        _inside.depth = 1
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            _inside.depth = 0
         if row is not None:
             try:
-                if result is not None and hasattr(result, "get_future"):
-                    fut = result.get_future()
-                    fut.add_done_callback(lambda _f, r=row: tracer.collective_completed(r))
+                if result is not None and hasattr(result, "is_completed"):
+                    try:
+                        fut = result.get_future()
+                    except RuntimeError:  # e.g. gloo p2p: "Work::getFuture not implemented"
+                        tracer.watch(result, row)
+                    else:
+                        fut.add_done_callback(lambda _f, r=row: tracer.collective_completed(r))
                 else:
                     tracer.collective_completed(row)
             except Exception:

@@ -85,8 +85,11 @@ class Tracer:
                 "started_ns": clock(),
             },
         )
+        self._pending: list[tuple[Any, dict[str, Any]]] = []
+        self._pending_cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="ranklens-flush", daemon=True)
         self._thread.start()
+        self._watcher: threading.Thread | None = None
 
     # -- buffering ------------------------------------------------------------------------
     def add(self, table: str, row: dict[str, Any]) -> None:
@@ -157,8 +160,14 @@ class Tracer:
         if not self.enabled:
             return
         self._stop.set()
+        with self._pending_cv:
+            self._pending_cv.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
+        if self._watcher is not None and threading.current_thread() is not self._watcher:
+            self._watcher.join(timeout_s)
+        for _work, _row in self._pending:  # never completed: record the arrival anyway
+            self.add("collectives", _row)
         try:
             self.flush()
         except Exception:
@@ -171,6 +180,8 @@ class Tracer:
         self._buf = []
         self._buf_lock = threading.Lock()
         self._flush_lock = threading.Lock()
+        self._pending = []
+        self._pending_cv = threading.Condition()
 
     # -- steps and phases -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -227,6 +238,40 @@ class Tracer:
         row["end_ns"] = self.clock()
         self._last_completed = row["seq"]
         self.add("collectives", row)
+
+    def watch(self, work: Any, row: dict[str, Any], max_pending: int = 10_000) -> None:
+        """Complete ``row`` when ``work.is_completed()`` turns true (for Work objects without a
+        future, e.g. gloo isend/irecv). A watcher thread polls every millisecond while anything
+        is pending and sleeps otherwise; the caller never waits."""
+        with self._pending_cv:
+            if len(self._pending) >= max_pending:
+                self._drops["collectives:pending_full"] += 1
+                return
+            self._pending.append((work, row))
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch_loop, name="ranklens-watch", daemon=True)
+                self._watcher.start()
+            self._pending_cv.notify()
+
+    def _watch_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._pending_cv:
+                while not self._pending and not self._stop.is_set():
+                    self._pending_cv.wait(0.5)
+                pending = self._pending
+            still = []
+            for work, row in pending:
+                try:
+                    if work.is_completed():
+                        self.collective_completed(row)
+                    else:
+                        still.append((work, row))
+                except Exception:
+                    self._drops["collectives:watch_error"] += 1
+            with self._pending_cv:
+                new = self._pending[len(pending):]
+                self._pending = still + new
+            time.sleep(0.001)
 
     def count_drop(self, what: str, n: int = 1) -> None:
         self._drops[what] += n

@@ -101,9 +101,13 @@ class ServerStore:
         self._local = threading.local()
         self._clients: list[Any] = []
         self._clients_lock = threading.Lock()
-        if create:
-            self.create_schema()
-        self._check_version()
+        try:
+            if create:
+                self.create_schema()
+            self._check_version()
+        except BaseException:
+            self.close()
+            raise
 
     # -- connection -------------------------------------------------------------------
     def _client(self, *, database: bool = True) -> Any:
@@ -161,9 +165,9 @@ class ServerStore:
             except network as e:
                 client.disconnect()
                 if last or not idempotent:
+                    what = "is unavailable" if idempotent else "failed during an insert (not retried)"
                     raise StoreUnavailable(
-                        f"ClickHouse server {self.url} failed during a request "
-                        f"(attempt {attempt + 1}): {e}"
+                        f"ClickHouse server {self.url} {what} after {attempt + 1} attempt(s): {e}"
                     ) from e
                 time.sleep(delay)
                 delay *= 2

@@ -1,0 +1,79 @@
+"""Shared fixtures: stores on both backends, a real ClickHouse server when there is one.
+
+The server tests use ``$RANKLENS_TEST_CLICKHOUSE`` (default ``clickhouse://default@127.0.0.1:9000``).
+Locally, without a server, they are skipped with the reason; with ``RANKLENS_REQUIRE_SERVER=1``
+(set by ``.ci/run``) a missing server fails them instead, so CI cannot pass without it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from urllib.parse import urlsplit
+
+import pytest
+
+SERVER_BASE = os.environ.get("RANKLENS_TEST_CLICKHOUSE", "clickhouse://default@127.0.0.1:9000")
+REQUIRE_SERVER = os.environ.get("RANKLENS_REQUIRE_SERVER", "") == "1"
+
+
+def _server_up() -> bool:
+    parts = urlsplit(SERVER_BASE)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 9000), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _need_server() -> None:
+    if not _server_up():
+        msg = f"no ClickHouse server at {SERVER_BASE} (start one with .ci/clickhouse.sh start)"
+        if REQUIRE_SERVER:
+            pytest.fail(msg + "; RANKLENS_REQUIRE_SERVER=1 makes this a failure")
+        pytest.skip(msg)
+
+
+def server_url(db: str | None = None) -> str:
+    return f"{SERVER_BASE.rstrip('/')}/{db or 'ranklens_test_' + uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def server_store():
+    _need_server()
+    from ranklens.store import open_store
+
+    store = open_store(server_url())
+    yield store
+    store.drop_database()
+    store.close()
+
+
+@pytest.fixture
+def embedded_store(tmp_path):
+    from ranklens.store import open_store
+
+    return open_store(f"embedded://{tmp_path / 'store'}")
+
+
+@pytest.fixture(params=["embedded", pytest.param("server", marks=pytest.mark.server)])
+def store(request, tmp_path):
+    """The same test on both backends."""
+    if request.param == "embedded":
+        yield request.getfixturevalue("embedded_store")
+    else:
+        yield request.getfixturevalue("server_store")
+
+
+@pytest.fixture
+def server_db_url():
+    """A fresh database URL on the test server (dropped afterwards)."""
+    _need_server()
+    url = server_url()
+    yield url
+    from ranklens.store import open_store
+
+    s = open_store(url)
+    s.drop_database()
+    s.close()

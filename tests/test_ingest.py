@@ -1,0 +1,96 @@
+"""The open ingest format: JSON Lines and Parquet, with clear errors and nothing half-written."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ranklens.errors import IngestError
+from ranklens.ingest import ingest_paths, read_jsonl, read_parquet
+
+HEADER = {"ranklens": "records", "version": 1, "table": "collectives"}
+ROW = {"job_id": "j", "rank": 0, "pg": "0", "seq": 1, "op": "all_reduce", "enter_ns": 100}
+
+
+def _jsonl(path, *objs, raw: str = ""):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs) + raw)
+    return path
+
+
+def test_jsonl_with_header(tmp_path, store):
+    p = _jsonl(tmp_path / "anything.jsonl", HEADER, ROW, dict(ROW, rank=1, peer=-1, nbytes=8))
+    assert ingest_paths(store, [p]) == {"collectives": 2}
+    assert store.query("SELECT sum(nbytes), count() FROM collectives").rows() == [(8, 2)]
+
+
+def test_table_from_file_name_and_option(tmp_path):
+    p = _jsonl(tmp_path / "steps-rank3.jsonl", {"job_id": "j", "rank": 3, "step": 0, "start_ns": 1, "end_ns": 2})
+    assert read_jsonl(p)[0] == "steps"
+    q = _jsonl(tmp_path / "x.jsonl", {"job_id": "j", "rank": 3, "step": 0, "start_ns": 1, "end_ns": 2})
+    assert read_jsonl(q, table="steps")[0] == "steps"
+    with pytest.raises(IngestError, match="cannot tell which table"):
+        read_jsonl(q)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"job_id": "j", "rank": 0, "pg": "0", "seq": "one", "op": "x", "enter_ns": 1}', "line 3: field 'seq': expected an integer"),
+        ('{"job_id": "j", "rank": 0, "pg": "0", "seq": 1, "op": "x"}', "line 3: required field 'enter_ns' is missing"),
+        ('{"job_id": "j", "rank": 0, "pg": "0", "seq": 1, "op": "x", "enter_ns": 1, "bogus": 2}', "line 3: field 'bogus' is not a column"),
+        ('{"job_id": "j", "rank": 99999999999, "pg": "0", "seq": 1, "op": "x", "enter_ns": 1}', "line 3: field 'rank': 99999999999 is out of range"),
+        ('{"job_id": "j", "rank": 0, "pg": "0", "seq": 1, "op": "x", "enter_ns": 1', "line 3: not valid JSON"),
+        ('[1, 2]', "line 3: expected a JSON object"),
+    ],
+)  # fmt: skip
+def test_jsonl_errors_name_file_line_and_field(tmp_path, line, message):
+    p = _jsonl(tmp_path / "c.jsonl", HEADER, ROW, raw=line + "\n")
+    with pytest.raises(IngestError) as e:
+        read_jsonl(p)
+    assert str(p) in str(e.value)
+    assert message in str(e.value)
+
+
+def test_binary_garbage_and_bad_header(tmp_path):
+    p = tmp_path / "collectives.jsonl"
+    p.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(IngestError, match="not UTF-8"):
+        read_jsonl(p)
+    q = _jsonl(tmp_path / "collectives2.jsonl", {"ranklens": "records", "version": 99, "table": "collectives"})
+    with pytest.raises(IngestError, match="unsupported header"):
+        read_jsonl(q)
+
+
+def test_nothing_half_written(tmp_path, store):
+    good = _jsonl(tmp_path / "a.jsonl", HEADER, ROW)
+    bad = _jsonl(tmp_path / "b.jsonl", HEADER, ROW, raw="not json\n")
+    with pytest.raises(IngestError, match="b.jsonl: line 3"):
+        ingest_paths(store, [good, bad])
+    assert store.query("SELECT count() FROM collectives").scalar() == 0
+
+
+def test_parquet(tmp_path, store):
+    p = tmp_path / "steps.parquet"
+    pq.write_table(pa.table({"job_id": ["j", "j"], "rank": [0, 1], "step": [5, 5], "start_ns": [1, 1],
+                             "end_ns": [9, 10], "loss": [0.1, 0.2]}), p)  # fmt: skip
+    assert ingest_paths(store, [p]) == {"steps": 2}
+    assert store.query("SELECT max(end_ns), min(tokens) FROM steps").rows() == [(10, -1)]
+
+
+def test_parquet_errors(tmp_path):
+    p = tmp_path / "steps.parquet"
+    pq.write_table(pa.table({"job_id": ["j"], "rank": [0], "step": [1], "start_ns": [1]}), p)
+    with pytest.raises(IngestError, match="required column 'end_ns' is missing"):
+        read_parquet(p)
+    pq.write_table(pa.table({"job_id": ["j", None], "rank": [0, 1], "step": [1, 1], "start_ns": [1, 1], "end_ns": [2, 2]}), p)
+    with pytest.raises(IngestError, match="row 1: column 'job_id' is null"):
+        read_parquet(p)
+    pq.write_table(pa.table({"job_id": ["j"], "rank": ["zero"], "step": [1], "start_ns": [1], "end_ns": [2]}), p)
+    with pytest.raises(IngestError, match="column 'rank'"):
+        read_parquet(p)
+    p.write_bytes(b"PAR1 truncated")
+    with pytest.raises(IngestError, match="not a readable Parquet file"):
+        read_parquet(p)

@@ -1,0 +1,157 @@
+"""The tracer: unit behaviour (buffers, drops, spool, fork) and a real multi-process gloo job."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ranklens.collector import Shipper
+from ranklens.tracing.tracer import Tracer
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1_000
+
+    def __call__(self) -> int:
+        self.t += 10
+        return self.t
+
+
+def _segments(root: Path, table: str) -> list[dict]:
+    rows = []
+    for p in sorted(root.rglob(f"{table}.*.jsonl")):
+        lines = p.read_text().splitlines()
+        assert json.loads(lines[0]) == {"ranklens": "records", "version": 1, "table": table}
+        rows += [json.loads(x) for x in lines[1:]]
+    return rows
+
+
+def _tracer(tmp_path, **kw) -> Tracer:
+    return Tracer(job_id="j", attempt=0, rank=3, world_size=4, spool_dir=str(tmp_path), flush_interval_s=60, **kw)
+
+
+def test_steps_phases_and_spool(tmp_path):
+    t = _tracer(tmp_path, clock=FakeClock())
+    with t.step(7, tokens=100, loss=0.5), t.phase("forward"), t.phase("attention"):
+        pass
+    t.shutdown()
+    (step,) = _segments(tmp_path, "steps")
+    assert step["step"] == 7 and step["tokens"] == 100 and step["loss"] == 0.5 and step["end_ns"] > step["start_ns"]
+    phases = _segments(tmp_path, "phases")
+    assert [p["phase"] for p in phases] == ["attention", "forward"]  # inner closes first
+    assert _segments(tmp_path, "ranks")[0]["rank"] == 3
+    assert _segments(tmp_path, "heartbeats")[-1]["step"] == 7
+
+
+def test_user_exceptions_pass_through_and_are_still_timed(tmp_path):
+    t = _tracer(tmp_path)
+    with pytest.raises(KeyError), t.step(1), t.phase("data"):
+        raise KeyError("boom")
+    t.shutdown()
+    assert len(_segments(tmp_path, "phases")) == 1 and len(_segments(tmp_path, "steps")) == 1
+
+
+def test_bounded_buffer_drops_and_counts(tmp_path):
+    t = _tracer(tmp_path, max_buffered=5)
+    for i in range(20):
+        with t.step(i):
+            pass
+    t.shutdown()
+    assert len(_segments(tmp_path, "steps")) == 4  # 5 slots, one taken by the ranks row
+    drops = _segments(tmp_path, "drops")
+    assert sum(d["count"] for d in drops if d["what"] == "steps:buffer_full") == 16
+
+
+def test_unwritable_spool_never_raises(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    t = Tracer(job_id="j", attempt=0, rank=0, world_size=1, spool_dir=str(blocker), flush_interval_s=60)
+    with t.step(0):
+        pass
+    t.flush()  # logs, counts, does not raise
+    assert t._drops["steps:spool_write_failed"] == 1
+    t.shutdown()
+
+
+def test_forked_child_is_not_traced(tmp_path):
+    import ranklens.tracing as rlt
+
+    t = rlt.init(job_id="j", spool_dir=str(tmp_path), rank=0, world_size=1, patch_distributed=False)
+    try:
+        pid = os.fork()
+        if pid == 0:  # child: records nothing, writes nothing
+            with rlt.step(99):
+                pass
+            t.flush()
+            os._exit(0 if not t.enabled else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        rlt.shutdown()
+    assert all(s["step"] != 99 for s in _segments(tmp_path, "steps"))
+
+
+def test_disabled_by_env(tmp_path, monkeypatch):
+    import ranklens.tracing as rlt
+
+    monkeypatch.setenv("RANKLENS_DISABLE", "1")
+    assert rlt.init(job_id="j", spool_dir=str(tmp_path)) is None
+    with rlt.step(1), rlt.phase("x"):  # no-ops
+        pass
+    assert not list(tmp_path.iterdir())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.e2e
+def test_real_gloo_job_ledger(tmp_path, embedded_store):
+    world = 4
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
+           "RANKLENS_SPOOL": str(tmp_path / "spool"), "RANKLENS_JOB_ID": "dist-test", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    script = Path(__file__).with_name("dist_job.py")
+    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]  # fmt: skip
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    Shipper(tmp_path / "spool", embedded_store).ship_once()
+    q = embedded_store.query
+
+    groups = {pg: sorted(r) for pg, r in q("SELECT pg, any(ranks) FROM process_groups GROUP BY pg").rows()}
+    assert sorted(groups.values()) == [[0, 1, 2, 3], [0, 2]]
+    # every (pg, seq) has exactly the members of its group, all agreeing on op and size
+    bad = q(
+        "SELECT pg, seq, count() AS n, uniqExact(op) AS ops, uniqExact(nbytes) AS sizes FROM collectives "
+        "WHERE pg NOT LIKE '%/p2p:%' GROUP BY pg, seq HAVING ops > 1 OR sizes > 1"
+    )
+    assert bad.num_rows == 0, bad.to_pylist()
+    counts = q("SELECT pg, seq, count() AS n FROM collectives WHERE pg NOT LIKE '%/p2p:%' GROUP BY pg, seq").rows()
+    for pg, _seq, n in counts:
+        assert n == len(groups[pg])
+    ops = {op for (op,) in q("SELECT DISTINCT op FROM collectives").rows()}
+    assert {"all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier",
+            "send", "recv", "isend", "irecv"} <= ops  # fmt: skip
+    # p2p pairs line up: rank 0's send #k matches rank 1's recv #k
+    p2p = q("SELECT pg, seq, groupArray(op) FROM collectives WHERE pg LIKE '%/p2p:%' GROUP BY pg, seq").rows()
+    assert len(p2p) == 6 and all(sorted(o) in (["recv", "send"], ["irecv", "isend"]) for _, _, o in p2p)
+    # async completion comes from the work's future, not from the late wait(): < 0.2 s
+    async_ms = q("SELECT max(end_ns - enter_ns) / 1e6 FROM collectives WHERE async_op = 1 AND op = 'all_reduce'").scalar()
+    assert 0 < async_ms < 150
+    # rank 1 sleeps 50 ms before the first all_reduce of each step: it is the last arriver there
+    last = q(
+        "SELECT seq, argMax(rank, enter_ns), (max(enter_ns) - min(enter_ns)) / 1e6 FROM collectives "
+        "WHERE pg = '0' AND op = 'all_reduce' AND async_op = 0 GROUP BY seq ORDER BY seq"
+    ).rows()
+    assert [r for _, r, _ in last] == [1, 1, 1] and all(ms >= 40 for *_, ms in last)
+    steps = q("SELECT rank, count() FROM steps GROUP BY rank ORDER BY rank").rows()
+    assert steps == [(r, 3) for r in range(world)]
