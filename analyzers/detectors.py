@@ -38,8 +38,9 @@ class PersistentBlameDetector:
     that wait is a real share of the step.
 
     A step is *hot* for rank r when r caused the largest delay of the step, the delay is at least
-    ``min_share`` of the step time and at least ``min_delay_s``. The onset is the earliest hot
-    step from which at least ``persistence`` of the steps are hot (and at least ``min_hot_steps``).
+    ``min_share`` of the step time and at least ``min_delay_s``. The finding spans the densest
+    run of hot steps (at least ``persistence`` of its steps hot, at least ``min_hot_steps`` hot):
+    its first step is the onset, its last step says whether the problem is still going on.
     Ranks that arrive last by noise spread hot steps across ranks and never persist.
     """
 
@@ -50,8 +51,8 @@ class PersistentBlameDetector:
     name: str = "persistent_blame"
 
     def __post_init__(self) -> None:
-        if not 0 < self.persistence <= 1:
-            raise ValueError(f"persistence={self.persistence} must be in (0, 1]")
+        if not 0 < self.persistence < 1:
+            raise ValueError(f"persistence={self.persistence} must be in (0, 1)")
         if self.min_share < 0 or self.min_delay_s < 0 or self.min_hot_steps < 1:
             raise ValueError("min_share and min_delay_s must be >= 0, min_hot_steps >= 1")
 
@@ -59,23 +60,39 @@ class PersistentBlameDetector:
         if blame.delay_s.size == 0:
             return []
         delay = blame.delay_s
-        step_time = np.where(np.isfinite(blame.step_time_s) & (blame.step_time_s > 0), blame.step_time_s, np.nan)
+        st = blame.step_time_s
+        step_time = np.where(np.isfinite(st) & (st > 0), st, np.nan)
         top = np.argmax(delay, axis=0)
         out = []
         for i, rank in enumerate(blame.ranks):
-            share = delay[i] / step_time
-            hot = (top == i) & (delay[i] >= self.min_delay_s) & (np.nan_to_num(share) >= self.min_share)
-            n = hot.size
-            # suffix share of hot steps; onset = earliest hot step whose suffix persists
-            suffix_hot = np.cumsum(hot[::-1])[::-1]
-            suffix_len = np.arange(n, 0, -1)
-            ok = hot & (suffix_hot / suffix_len >= self.persistence) & (suffix_hot >= self.min_hot_steps)
-            if not ok.any():
+            share = np.nan_to_num(delay[i] / step_time)
+            hot = (top == i) & (delay[i] >= self.min_delay_s) & (share >= self.min_share)
+            if hot.sum() < self.min_hot_steps:
                 continue
-            onset = int(np.argmax(ok))
-            last = int(n - 1 - np.argmax(hot[::-1]))
-            out.append(
-                Detection(int(rank), onset, last, float(suffix_hot[onset] / suffix_len[onset]),
-                          int(suffix_hot[onset]), int(suffix_len[onset]))  # fmt: skip
-            )
+            seg = _densest_segment(hot, self.persistence)
+            if seg is None:
+                continue
+            start, end = seg
+            n_hot = int(hot[start : end + 1].sum())
+            length = end - start + 1
+            if n_hot < self.min_hot_steps:
+                continue
+            out.append(Detection(int(rank), start, end, n_hot / length, n_hot, length))
         return out
+
+
+def _densest_segment(hot: np.ndarray, persistence: float) -> tuple[int, int] | None:
+    """The segment maximising ``hot steps - persistence * length`` (Kadane): its share of hot
+    steps is >= ``persistence``, it starts and ends on hot steps, and isolated noisy hot steps
+    before a real onset are not pulled in (each gap step costs ``persistence``)."""
+    best, best_seg = 0.0, None
+    cur, cur_start = 0.0, 0
+    for j, h in enumerate(hot):
+        gain = (1.0 - persistence) if h else -persistence
+        if cur <= 0:
+            cur, cur_start = gain, j
+        else:
+            cur += gain
+        if h and cur > best:
+            best, best_seg = cur, (cur_start, j)
+    return best_seg

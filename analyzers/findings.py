@@ -92,13 +92,15 @@ def save_findings(store: Store, findings: list[Finding]) -> int:
 def latest_findings(store: Store, job_id: str, attempt: int | None = None) -> list[dict[str, Any]]:
     """The newest version of every finding of a job, most impactful first."""
     where = f"job_id = '{_esc(job_id)}'" + (f" AND attempt = {int(attempt)}" if attempt is not None else "")
+    cols = ("kind", "severity", "confidence", "title", "state", "impact_s", "impact_gpu_s", "suspect_ranks",
+            "suspect_hosts", "first_seen_step", "last_seen_step", "evidence")  # fmt: skip
+    # Aliases must not shadow column names: ClickHouse would read argMax(x, t) AS x as nested.
+    latest = ", ".join(f"argMax({c}, updated_ns) AS latest_{c}" for c in cols)
     r = store.query(
-        "SELECT id, argMax(kind, updated_ns) AS kind, argMax(severity, updated_ns) AS severity, "
-        "argMax(title, updated_ns) AS title, argMax(state, updated_ns) AS state, "
-        "argMax(impact_s, updated_ns) AS impact_s, argMax(suspect_ranks, updated_ns) AS suspect_ranks, "
-        f"max(updated_ns) AS updated_ns FROM findings WHERE {where} GROUP BY id ORDER BY impact_s DESC, id"
+        f"SELECT id, {latest}, max(updated_ns) AS latest_updated_ns FROM findings WHERE {where} "
+        "GROUP BY id ORDER BY latest_impact_s DESC, id"
     )
-    return r.to_pylist()
+    return [{k.removeprefix("latest_"): v for k, v in row.items()} for row in r.to_pylist()]
 
 
 def _esc(s: str) -> str:

@@ -2,7 +2,7 @@
 
 Exit codes (scripts may rely on them): 0 success, 1 unexpected error, 2 bad usage or
 configuration, 3 store error, 4 store unavailable, 5 schema version mismatch, 6 malformed input
-(nothing written), 7 the demo's job failed.
+(nothing written), 7 the demo's job failed, 8 nothing to analyze.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import click
 
 from ranklens import __version__
 from ranklens.config import ENV_STORE
-from ranklens.errors import EXIT_CODES, RanklensError
+from ranklens.errors import EXIT_CODES, NotFound, RanklensError
 
 __all__ = ["main"]
 
@@ -180,12 +180,15 @@ def analyze(store_url: str | None, job_id: str | None, attempt: int | None, as_j
     if job_id is None:
         latest = latest_job(store)
         if latest is None:
-            raise RanklensError(f"the store {store.url} holds no job yet; run `ranklens demo` or ingest records")
+            raise NotFound(f"the store {store.url} holds no job yet; run `ranklens demo` or ingest records")
         job_id, found_attempt = latest
         attempt = found_attempt if attempt is None else attempt
     elif attempt is None:
         esc = job_id.replace("\\", "\\\\").replace("'", "\\'")
-        attempt = int(store.query(f"SELECT max(attempt) FROM collectives WHERE job_id = '{esc}'").scalar() or 0)
+        n, top = store.query(f"SELECT count(), max(attempt) FROM collectives WHERE job_id = '{esc}'").rows()[0]
+        if not n:
+            raise NotFound(f"no records of job {job_id!r} in {store.url}; `ranklens sql \"SELECT DISTINCT job_id FROM steps\"` lists the jobs")
+        attempt = int(top)
     findings = find_stragglers(store, job_id, attempt)
     if not no_save:
         save_findings(store, findings)

@@ -10,6 +10,7 @@ __all__ = [
     "EXIT_CODES",
     "ConfigError",
     "IngestError",
+    "NotFound",
     "RanklensError",
     "SchemaVersionError",
     "StoreError",
@@ -58,6 +59,12 @@ class IngestError(RanklensError):
         super().__init__(f"{path}: {where}: {message}" if where else f"{path}: {message}")
 
 
+class NotFound(RanklensError):
+    """What was asked for (a job, an attempt) is not in the store."""
+
+    exit_code = 8
+
+
 EXIT_CODES = {
     0: "success",
     1: "unexpected error",
@@ -67,4 +74,5 @@ EXIT_CODES = {
     5: "store schema version mismatch",
     6: "malformed input (nothing was written)",
     7: "the demo's training job failed",
+    8: "nothing to analyze (no such job in the store)",
 }
