@@ -70,7 +70,8 @@ def union_length(ends: np.ndarray, lengths: np.ndarray) -> float:
 def step_times_sql(job_id: str, attempt: int) -> str:
     """Per step: the median step duration over ranks, and the step's first start."""
     return f"""
-SELECT step, quantileExact(0.5)(end_ns - start_ns) AS step_ns, min(start_ns) AS first_start_ns, count() AS ranks
+SELECT step, quantileExact(0.5)(end_ns - start_ns) AS step_ns,
+       min(start_ns) AS first_start_ns, count() AS ranks
 FROM steps
 WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}
 GROUP BY step
@@ -121,7 +122,11 @@ def compute_blame(store: Store, job_id: str, attempt: int = 0) -> BlameMatrix:
         f"AND attempt = {int(attempt)} GROUP BY rank"
     )
     hosts = {int(r): str(h) for r, h in hosts_q.rows()}
-    steps = st.column("step").astype(np.int64) if st.num_rows else np.array(sorted(set(b.column("at_step").tolist())), dtype=np.int64)
+    steps = (
+        st.column("step").astype(np.int64)
+        if st.num_rows
+        else np.array(sorted(set(b.column("at_step").tolist())), dtype=np.int64)
+    )
     ranks_seen = set(hosts) | {int(x) for x in b.column("last_rank")} if b.num_rows else set(hosts)
     ranks = np.array(sorted(ranks_seen), dtype=np.int64)
     ri = {int(r): i for i, r in enumerate(ranks)}

@@ -69,17 +69,29 @@ class Finding:
 
     def to_row(self) -> dict[str, Any]:
         return {
-            "id": self.id, "job_id": self.job_id, "attempt": self.attempt, "kind": self.kind,
-            "severity": self.severity.value, "confidence": float(self.confidence), "title": self.title,
+            "id": self.id,
+            "job_id": self.job_id,
+            "attempt": self.attempt,
+            "kind": self.kind,
+            "severity": self.severity.value,
+            "confidence": float(self.confidence),
+            "title": self.title,
             "suspect_ranks": [s.rank for s in self.suspects],
             "suspect_hosts": sorted({s.node for s in self.suspects if s.node}),
-            "suspect_gpus": [s.gpu for s in self.suspects if s.gpu], "suspect_links": [],
-            "first_seen_step": self.first_seen_step, "last_seen_step": self.last_seen_step,
-            "first_seen_ns": self.first_seen_ns, "last_seen_ns": self.last_seen_ns,
-            "impact_s": float(self.impact_s), "impact_gpu_s": float(self.impact_gpu_s),
-            "step_time_pct": float(self.step_time_pct), "evidence": json.dumps(self.evidence, default=str),
-            "state": self.state, "detector": self.detector, "updated_ns": self.updated_ns,
-        }  # fmt: skip
+            "suspect_gpus": [s.gpu for s in self.suspects if s.gpu],
+            "suspect_links": [],
+            "first_seen_step": self.first_seen_step,
+            "last_seen_step": self.last_seen_step,
+            "first_seen_ns": self.first_seen_ns,
+            "last_seen_ns": self.last_seen_ns,
+            "impact_s": float(self.impact_s),
+            "impact_gpu_s": float(self.impact_gpu_s),
+            "step_time_pct": float(self.step_time_pct),
+            "evidence": json.dumps(self.evidence, default=str),
+            "state": self.state,
+            "detector": self.detector,
+            "updated_ns": self.updated_ns,
+        }
 
 
 def save_findings(store: Store, findings: list[Finding]) -> int:
@@ -92,8 +104,20 @@ def save_findings(store: Store, findings: list[Finding]) -> int:
 def latest_findings(store: Store, job_id: str, attempt: int | None = None) -> list[dict[str, Any]]:
     """The newest version of every finding of a job, most impactful first."""
     where = f"job_id = '{_esc(job_id)}'" + (f" AND attempt = {int(attempt)}" if attempt is not None else "")
-    cols = ("kind", "severity", "confidence", "title", "state", "impact_s", "impact_gpu_s", "suspect_ranks",
-            "suspect_hosts", "first_seen_step", "last_seen_step", "evidence")  # fmt: skip
+    cols = (
+        "kind",
+        "severity",
+        "confidence",
+        "title",
+        "state",
+        "impact_s",
+        "impact_gpu_s",
+        "suspect_ranks",
+        "suspect_hosts",
+        "first_seen_step",
+        "last_seen_step",
+        "evidence",
+    )
     # Aliases must not shadow column names: ClickHouse would read argMax(x, t) AS x as nested.
     latest = ", ".join(f"argMax({c}, updated_ns) AS latest_{c}" for c in cols)
     r = store.query(

@@ -7,10 +7,10 @@ each detection into a :class:`~ranklens.analyzers.findings.Finding` with evidenc
 from __future__ import annotations
 
 import numpy as np
-
 from ranklens.analyzers.blame import BlameMatrix, compute_blame
 from ranklens.analyzers.detectors import Detection, PersistentBlameDetector, StragglerDetector
 from ranklens.analyzers.findings import Finding, Severity, Suspect, finding_id
+
 from ranklens.store.api import Store
 
 __all__ = ["find_stragglers", "to_finding"]
@@ -74,7 +74,11 @@ def to_finding(blame: BlameMatrix, d: Detection, detector: StragglerDetector) ->
             "next_most_blamed": [{"rank": r, "delay_s": round(x, 6)} for r, x in top_others],
             "per_step": per_step[:50],
             "sql": blame.sql,
-            "thresholds": {k: getattr(detector, k) for k in ("min_share", "min_delay_s", "persistence", "min_hot_steps") if hasattr(detector, k)},
+            "thresholds": {
+                k: getattr(detector, k)
+                for k in ("min_share", "min_delay_s", "persistence", "min_hot_steps")
+                if hasattr(detector, k)
+            },
         },
         state="open" if ongoing else "resolved",
         detector=detector.name,

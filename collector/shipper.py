@@ -59,7 +59,7 @@ class Shipper:
     def pending(self) -> list[Path]:
         if not self.spool_dir.is_dir():
             return []
-        out = []
+        out: list[Path] = []
         for dirpath, dirnames, filenames in os.walk(self.spool_dir):
             if QUARANTINE in dirnames:
                 dirnames.remove(QUARANTINE)
@@ -94,9 +94,7 @@ class Shipper:
             batches.setdefault(name, []).append(data)
             done.append(seg)
         if result.quarantined:
-            batches.setdefault("drops", []).append(
-                _drops_row(result.quarantined)
-            )
+            batches.setdefault("drops", []).append(_drops_row(result.quarantined))
         if not batches:
             return result
         merged = {name: pa.concat_tables(parts) for name, parts in batches.items()}
@@ -104,7 +102,9 @@ class Shipper:
             written = self.store.write_many(merged)
         except StoreError as e:
             result.error = str(e)
-            log.warning("ranklens collector: store unavailable, %d segment(s) kept for retry: %s", len(done), e)
+            log.warning(
+                "ranklens collector: store unavailable, %d segment(s) kept for retry: %s", len(done), e
+            )
             return result
         for seg in done:
             try:
@@ -117,8 +117,13 @@ class Shipper:
             self.totals[k] = self.totals.get(k, 0) + v
         return result
 
-    def run(self, *, interval_s: float = 1.0, stop: Callable[[], bool] = lambda: False,
-            on_pass: Callable[[ShipResult], None] | None = None) -> None:  # fmt: skip
+    def run(
+        self,
+        *,
+        interval_s: float = 1.0,
+        stop: Callable[[], bool] = lambda: False,
+        on_pass: Callable[[ShipResult], None] | None = None,
+    ) -> None:
         """Ship until ``stop()`` is true (checked every ``interval_s``), then one last pass."""
         while True:
             stopping = stop()
@@ -135,6 +140,13 @@ def _drops_row(n: int) -> Any:
 
     return to_arrow(
         "drops",
-        [{"ts_ns": time.time_ns(), "host": socket.gethostname(), "component": "collector",
-          "what": "spool_segment_quarantined", "count": n}],  # fmt: skip
+        [
+            {
+                "ts_ns": time.time_ns(),
+                "host": socket.gethostname(),
+                "component": "collector",
+                "what": "spool_segment_quarantined",
+                "count": n,
+            }
+        ],
     )

@@ -73,7 +73,9 @@ def _clean(v: Any) -> Any:
     return v
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=_EPILOG)
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=_EPILOG
+)
 @click.version_option(__version__, prog_name="ranklens")
 def cli() -> None:
     """ranklens: which rank, GPU, node or link is slowing or hanging a distributed training job,
@@ -97,19 +99,42 @@ def version() -> None:
 
 @cli.command(epilog=_EPILOG)
 @_store_option
-@click.option("--ranks", type=click.IntRange(2, 64), default=4, show_default=True, help="Ranks (processes) of the job.")
+@click.option(
+    "--ranks", type=click.IntRange(2, 64), default=4, show_default=True, help="Ranks (processes) of the job."
+)
 @click.option("--slow-rank", type=int, default=2, show_default=True, help="The rank to slow down.")
-@click.option("--slowdown", type=float, default=1.5, show_default=True,
-              help="Compute-time factor of the slowed rank (1.5 = its compute takes 50% longer).")  # fmt: skip
+@click.option(
+    "--slowdown",
+    type=float,
+    default=1.5,
+    show_default=True,
+    help="Compute-time factor of the slowed rank (1.5 = its compute takes 50% longer).",
+)
 @click.option("--slow-from-step", type=int, default=5, show_default=True, help="First slowed step.")
-@click.option("--steps", type=click.IntRange(5, 100000), default=30, show_default=True, help="Training steps.")
-@click.option("--compute-ms", type=click.FloatRange(1, 10000), default=60.0, show_default=True,
-              help="Per-step device time of a healthy rank.")  # fmt: skip
+@click.option(
+    "--steps", type=click.IntRange(5, 100000), default=30, show_default=True, help="Training steps."
+)
+@click.option(
+    "--compute-ms",
+    type=click.FloatRange(1, 10000),
+    default=60.0,
+    show_default=True,
+    help="Per-step device time of a healthy rank.",
+)
 @click.option("--healthy", is_flag=True, help="Slow no rank: the run must produce no straggler finding.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @_errors
-def demo(store_url: str | None, ranks: int, slow_rank: int, slowdown: float, slow_from_step: int, steps: int,
-         compute_ms: float, healthy: bool, as_json: bool) -> None:  # fmt: skip
+def demo(
+    store_url: str | None,
+    ranks: int,
+    slow_rank: int,
+    slowdown: float,
+    slow_from_step: int,
+    steps: int,
+    compute_ms: float,
+    healthy: bool,
+    as_json: bool,
+) -> None:
     """Run a real multi-rank training job (gloo, CPU, DDP + an extra process group) with one rank
     slowed, collect it into the store while it runs, analyze it and print what is wrong."""
     from ranklens.demo import run_demo
@@ -127,26 +152,45 @@ def demo(store_url: str | None, ranks: int, slow_rank: int, slowdown: float, slo
         bar_state["last"] = s
 
     result = run_demo(
-        store, ranks=ranks, slow_rank=None if healthy else slow_rank, slowdown=slowdown, steps=steps,
-        slow_from_step=slow_from_step, compute_ms=compute_ms, log=lambda s: say("  " + s), on_step=on_step,
-    )  # fmt: skip
+        store,
+        ranks=ranks,
+        slow_rank=None if healthy else slow_rank,
+        slowdown=slowdown,
+        steps=steps,
+        slow_from_step=slow_from_step,
+        compute_ms=compute_ms,
+        log=lambda s: say("  " + s),
+        on_step=on_step,
+    )
     if not as_json and sys.stdout.isatty():
         click.echo()
     rows = sum(result.rows.values())
     if as_json:
-        click.echo(json.dumps({
-            "job_id": result.job_id, "store": store.url, "ranks": ranks, "steps": steps,
-            "slow_rank": result.slow_rank, "wall_s": round(result.wall_s, 3), "rows": result.rows,
-            "findings": [f.to_json() for f in result.findings],
-        }, default=_json_default))  # fmt: skip
+        click.echo(
+            json.dumps(
+                {
+                    "job_id": result.job_id,
+                    "store": store.url,
+                    "ranks": ranks,
+                    "steps": steps,
+                    "slow_rank": result.slow_rank,
+                    "wall_s": round(result.wall_s, 3),
+                    "rows": result.rows,
+                    "findings": [f.to_json() for f in result.findings],
+                },
+                default=_json_default,
+            )
+        )
         return
-    click.echo(f"job {result.job_id} finished in {result.wall_s:.1f} s; {rows:,} records collected into the store.")
+    click.echo(
+        f"job {result.job_id} finished in {result.wall_s:.1f} s; {rows:,} records collected into the store."
+    )
     _print_findings(result.findings)
     q = f" --store {store.url}" if store_url else ""
     click.echo("\nLook further:")
     click.echo(f"  ranklens analyze{q} --job {result.job_id} --json")
     click.echo(
-        f"  ranklens sql{q} \"SELECT rank, phase, round(avg(end_ns - start_ns) / 1e6, 1) AS ms FROM phases "
+        f'  ranklens sql{q} "SELECT rank, phase, round(avg(end_ns - start_ns) / 1e6, 1) AS ms FROM phases '
         f"WHERE job_id = '{result.job_id}' GROUP BY rank, phase ORDER BY phase, rank\""
     )
     click.echo(f"  rank logs: {result.log_dir}")
@@ -172,7 +216,9 @@ def _print_findings(findings: list[Any]) -> None:
 @click.option("--json", "as_json", is_flag=True, help='Print {"findings": [...]} as one JSON object.')
 @click.option("--no-save", is_flag=True, help="Do not write the findings to the store.")
 @_errors
-def analyze(store_url: str | None, job_id: str | None, attempt: int | None, as_json: bool, no_save: bool) -> None:
+def analyze(
+    store_url: str | None, job_id: str | None, attempt: int | None, as_json: bool, no_save: bool
+) -> None:
     """Analyze a job in the store and print its findings (stragglers, for now)."""
     from ranklens.analyzers import find_stragglers, latest_job, save_findings
 
@@ -185,16 +231,25 @@ def analyze(store_url: str | None, job_id: str | None, attempt: int | None, as_j
         attempt = found_attempt if attempt is None else attempt
     elif attempt is None:
         esc = job_id.replace("\\", "\\\\").replace("'", "\\'")
-        n, top = store.query(f"SELECT count(), max(attempt) FROM collectives WHERE job_id = '{esc}'").rows()[0]
+        n, top = store.query(f"SELECT count(), max(attempt) FROM collectives WHERE job_id = '{esc}'").rows()[
+            0
+        ]
         if not n:
-            raise NotFound(f"no records of job {job_id!r} in {store.url}; `ranklens sql \"SELECT DISTINCT job_id FROM steps\"` lists the jobs")
+            raise NotFound(
+                f"no records of job {job_id!r} in {store.url}; "
+                '`ranklens sql "SELECT DISTINCT job_id FROM steps"` lists the jobs'
+            )
         attempt = int(top)
     findings = find_stragglers(store, job_id, attempt)
     if not no_save:
         save_findings(store, findings)
     if as_json:
-        click.echo(json.dumps({"job_id": job_id, "attempt": attempt, "findings": [f.to_json() for f in findings]},
-                              default=_json_default))  # fmt: skip
+        click.echo(
+            json.dumps(
+                {"job_id": job_id, "attempt": attempt, "findings": [f.to_json() for f in findings]},
+                default=_json_default,
+            )
+        )
         return
     click.echo(f"job {job_id} attempt {attempt}")
     _print_findings(findings)
@@ -203,8 +258,13 @@ def analyze(store_url: str | None, job_id: str | None, attempt: int | None, as_j
 @cli.command(epilog=_EPILOG)
 @_store_option
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet", "flight-recorder", "kineto"]), default=None,
-              help="Input format (default: by file extension: .jsonl or .parquet).")  # fmt: skip
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["jsonl", "parquet", "flight-recorder", "kineto"]),
+    default=None,
+    help="Input format (default: by file extension: .jsonl or .parquet).",
+)
 @click.option("--table", default=None, help="Table of the records, when neither header nor file name tells.")
 @_errors
 def ingest(store_url: str | None, paths: tuple[str, ...], fmt: str | None, table: str | None) -> None:
@@ -222,8 +282,7 @@ def ingest(store_url: str | None, paths: tuple[str, ...], fmt: str | None, table
         )
     files = expand(list(paths))
     store = _open(store_url)
-    with click.progressbar(length=len(files), label="validating", file=sys.stderr,
-                           show_pos=True) as bar:  # fmt: skip
+    with click.progressbar(length=len(files), label="validating", file=sys.stderr, show_pos=True) as bar:
         written = ingest_paths(store, files, fmt=fmt, table=table, progress=lambda _p: bar.update(1))
     for name, n in sorted(written.items()):
         click.echo(f"{name}: {n:,} rows")
@@ -234,7 +293,9 @@ def ingest(store_url: str | None, paths: tuple[str, ...], fmt: str | None, table
 @_store_option
 @click.argument("query")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of row objects.")
-@click.option("--max-rows", type=int, default=1000, show_default=True, help="Rows to print at most (table output).")
+@click.option(
+    "--max-rows", type=int, default=1000, show_default=True, help="Rows to print at most (table output)."
+)
 @_errors
 def sql(store_url: str | None, query: str, as_json: bool, max_rows: int) -> None:
     """Run one SQL query (ClickHouse dialect) against the store and print the rows.
@@ -245,7 +306,11 @@ def sql(store_url: str | None, query: str, as_json: bool, max_rows: int) -> None
     store = _open(store_url, create=False)
     r = store.query(query)
     if as_json:
-        click.echo(json.dumps([{k: _clean(v) for k, v in row.items()} for row in r.to_pylist()], default=_json_default))
+        click.echo(
+            json.dumps(
+                [{k: _clean(v) for k, v in row.items()} for row in r.to_pylist()], default=_json_default
+            )
+        )
         return
     cols = r.columns
     rows = [[_fmt(v) for v in row] for row in r.rows()[:max_rows]]
@@ -266,10 +331,22 @@ def _fmt(v: Any) -> str:
 
 @cli.command(epilog=_EPILOG)
 @_store_option
-@click.option("--spool", "spool_dir", envvar="RANKLENS_SPOOL", default="/tmp/ranklens-spool", show_default=True,
-              help="Spool root the tracers write (env RANKLENS_SPOOL).")  # fmt: skip
+@click.option(
+    "--spool",
+    "spool_dir",
+    envvar="RANKLENS_SPOOL",
+    default="/tmp/ranklens-spool",
+    show_default=True,
+    help="Spool root the tracers write (env RANKLENS_SPOOL).",
+)
 @click.option("--follow", is_flag=True, help="Keep shipping until interrupted.")
-@click.option("--interval", type=click.FloatRange(0.05, 3600), default=1.0, show_default=True, help="Seconds between passes.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(0.05, 3600),
+    default=1.0,
+    show_default=True,
+    help="Seconds between passes.",
+)
 @_errors
 def collect(store_url: str | None, spool_dir: str, follow: bool, interval: float) -> None:
     """Ship rank spools into the store (a segment is deleted only after the store has it)."""
@@ -300,7 +377,9 @@ def collect(store_url: str | None, spool_dir: str, follow: bool, interval: float
 
 
 @cli.command(epilog=_EPILOG)
-@click.option("--target", type=click.Choice(["server", "cluster", "embedded"]), default="server", show_default=True)
+@click.option(
+    "--target", type=click.Choice(["server", "cluster", "embedded"]), default="server", show_default=True
+)
 @click.option("--database", default="ranklens", show_default=True)
 @click.option("--cluster", default="ranklens", show_default=True, help="Cluster name (--target cluster).")
 def schema(target: str, database: str, cluster: str) -> None:
@@ -313,8 +392,10 @@ def schema(target: str, database: str, cluster: str) -> None:
         click.echo(render_cluster_ddl(database, cluster), nl=False)
     else:
         for t in TABLES.values():
-            click.echo(f"-- {t.doc}\nCREATE VIEW {t.name} AS SELECT * FROM file('<store>/parts/{t.name}/<parts>', "
-                       f"Parquet, '{t.structure()}');")  # fmt: skip
+            click.echo(
+                f"-- {t.doc}\nCREATE VIEW {t.name} AS SELECT * FROM file('<store>/parts/{t.name}/<parts>', "
+                f"Parquet, '{t.structure()}');"
+            )
 
 
 def main() -> None:

@@ -35,15 +35,23 @@ def _table_from_name(path: Path) -> str | None:
 
 
 def _resolve_table(path: Path, explicit: str | None, declared: str | None) -> str:
-    for candidate, source in ((explicit, "--table"), (declared, "the file's header"), (_table_from_name(path), "the file name")):
+    for candidate, source in (
+        (explicit, "--table"),
+        (declared, "the file's header"),
+        (_table_from_name(path), "the file name"),
+    ):
         if candidate:
             if candidate not in TABLES:
-                raise IngestError(str(path), "", f"unknown table {candidate!r} from {source}; tables: {', '.join(TABLES)}")
+                raise IngestError(
+                    str(path), "", f"unknown table {candidate!r} from {source}; tables: {', '.join(TABLES)}"
+                )
             return candidate
     raise IngestError(
-        str(path), "", "cannot tell which table the records belong to: add a header line "
-        '{"ranklens": "records", "version": 1, "table": "..."}, name the file <table>.jsonl, or pass --table'
-    )  # fmt: skip
+        str(path),
+        "",
+        "cannot tell which table the records belong to: add a header line "
+        '{"ranklens": "records", "version": 1, "table": "..."}, name the file <table>.jsonl, or pass --table',
+    )
 
 
 def read_jsonl(path: str | Path, table: str | None = None) -> tuple[str, Any]:
@@ -64,15 +72,20 @@ def read_jsonl(path: str | Path, table: str | None = None) -> tuple[str, Any]:
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise IngestError(str(path), f"line {no}", f"not valid JSON ({e.msg} at column {e.colno})") from None
+                    raise IngestError(
+                        str(path), f"line {no}", f"not valid JSON ({e.msg} at column {e.colno})"
+                    ) from None
                 if not isinstance(obj, dict):
-                    raise IngestError(str(path), f"line {no}", f"expected a JSON object, got {type(obj).__name__}")
+                    raise IngestError(
+                        str(path), f"line {no}", f"expected a JSON object, got {type(obj).__name__}"
+                    )
                 if "ranklens" in obj and not rows and declared is None:
                     if obj.get("ranklens") != "records" or obj.get("version") != SPOOL_VERSION:
                         raise IngestError(
-                            str(path), f"line {no}",
+                            str(path),
+                            f"line {no}",
                             f"unsupported header {obj!r}; this ranklens reads version {SPOOL_VERSION}",
-                        )  # fmt: skip
+                        )
                     declared = obj.get("table")
                     continue
                 rows.append(obj)
@@ -124,11 +137,15 @@ def read_parquet(path: str | Path, table: str | None = None) -> tuple[str, Any]:
         col = data.column(c.name)
         if col.null_count:
             first = pc.index(pc.is_null(col), True).as_py()
-            raise IngestError(str(path), f"row {first}", f"column {c.name!r} is null (use the default instead)")
+            raise IngestError(
+                str(path), f"row {first}", f"column {c.name!r} is null (use the default instead)"
+            )
         try:
             arrays.append(col.cast(field.type, safe=True))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            raise IngestError(str(path), "", f"column {c.name!r} ({col.type}) cannot be read as {c.type}: {e}") from None
+            raise IngestError(
+                str(path), "", f"column {c.name!r} ({col.type}) cannot be read as {c.type}: {e}"
+            ) from None
     return name, pa.Table.from_arrays(arrays, schema=target)
 
 
@@ -148,7 +165,9 @@ def expand(paths: Sequence[str | Path]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            out.extend(sorted(q for q in p.rglob("*") if q.is_file() and q.suffix in (".jsonl", ".parquet", ".pq")))
+            out.extend(
+                sorted(q for q in p.rglob("*") if q.is_file() and q.suffix in (".jsonl", ".parquet", ".pq"))
+            )
         elif p.exists():
             out.append(p)
         else:

@@ -151,7 +151,7 @@ def to_arrow(table_name: str, rows: Iterable[Mapping[str, Any] | Any], *, valida
     cols: dict[str, list[Any]] = {c.name: [] for c in t.columns}
     for i, row in enumerate(rows):
         if dataclasses.is_dataclass(row) and not isinstance(row, type):
-            row = row.to_row()  # type: ignore[union-attr]
+            row = row.to_row()  # type: ignore[attr-defined]
         assert isinstance(row, Mapping)
         extra = set(row) - cols.keys()
         if extra:

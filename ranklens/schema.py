@@ -353,9 +353,7 @@ def table(name: str) -> Table:
     except KeyError:
         from ranklens.errors import ConfigError
 
-        raise ConfigError(
-            f"unknown table {name!r}; ranklens tables are: {', '.join(TABLES)}"
-        ) from None
+        raise ConfigError(f"unknown table {name!r}; ranklens tables are: {', '.join(TABLES)}") from None
 
 
 META_TABLE = "ranklens_meta"

@@ -29,7 +29,7 @@ def _server_up() -> bool:
 
 def _need_server() -> None:
     if not _server_up():
-        msg = f"no ClickHouse server at {SERVER_BASE} (start one with .ci/clickhouse.sh start)"
+        msg = f"no ClickHouse server at {SERVER_BASE} (start one with scripts/clickhouse.sh start)"
         if REQUIRE_SERVER:
             pytest.fail(msg + "; RANKLENS_REQUIRE_SERVER=1 makes this a failure")
         pytest.skip(msg)

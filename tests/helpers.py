@@ -26,7 +26,9 @@ def synthetic_job(
     rows: dict[str, list[dict]] = {"collectives": [], "steps": [], "ranks": [], "process_groups": []}
     for r in range(ranks):
         rows["ranks"].append({"job_id": job_id, "rank": r, "world_size": ranks, "host": f"node{r // 2}"})
-    rows["process_groups"].append({"job_id": job_id, "pg": "0", "ranks": list(range(ranks)), "backend": "gloo"})
+    rows["process_groups"].append(
+        {"job_id": job_id, "pg": "0", "ranks": list(range(ranks)), "backend": "gloo"}
+    )
     t = T0
     seq = 0
     for s in range(steps):
@@ -44,10 +46,22 @@ def synthetic_job(
             end = last + int(0.001 * 1e9)
             for r, a in arrivals.items():
                 rows["collectives"].append(
-                    {"job_id": job_id, "rank": r, "pg": "0", "seq": seq, "op": "all_reduce", "nbytes": 4096,
-                     "dtype": "float32", "step": s, "enter_ns": a, "end_ns": end}  # fmt: skip
+                    {
+                        "job_id": job_id,
+                        "rank": r,
+                        "pg": "0",
+                        "seq": seq,
+                        "op": "all_reduce",
+                        "nbytes": 4096,
+                        "dtype": "float32",
+                        "step": s,
+                        "enter_ns": a,
+                        "end_ns": end,
+                    }
                 )
             t = end
         for r in range(ranks):
-            rows["steps"].append({"job_id": job_id, "rank": r, "step": s, "start_ns": step_start, "end_ns": t})
+            rows["steps"].append(
+                {"job_id": job_id, "rank": r, "step": s, "start_ns": step_start, "end_ns": t}
+            )
     return rows

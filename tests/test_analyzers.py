@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from ranklens.analyzers import PersistentBlameDetector, compute_blame, find_stragglers, latest_findings, save_findings
+from ranklens.analyzers import (
+    PersistentBlameDetector,
+    compute_blame,
+    find_stragglers,
+    latest_findings,
+    save_findings,
+)
 from ranklens.analyzers.blame import union_length
 from ranklens.analyzers.findings import finding_id
+
 from ranklens.store import open_store
 from tests.helpers import synthetic_job
 
@@ -86,7 +92,9 @@ def test_findings_keep_a_stable_identity(store):
     save_findings(store, first)
     again = find_stragglers(store, "job-synth")
     save_findings(store, again)
-    assert [f.id for f in first] == [f.id for f in again] == [finding_id("job-synth", 0, "straggler", "rank:2")]
+    assert (
+        [f.id for f in first] == [f.id for f in again] == [finding_id("job-synth", 0, "straggler", "rank:2")]
+    )
     latest = latest_findings(store, "job-synth")
     assert len(latest) == 1 and latest[0]["suspect_ranks"] == [2]
 

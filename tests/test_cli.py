@@ -32,8 +32,22 @@ def test_version():
 def test_ingest_sql_analyze_roundtrip(tmp_path):
     store = f"embedded://{tmp_path}/s"
     src = tmp_path / "collectives.jsonl"
-    src.write_text("\n".join(json.dumps({"job_id": "j", "rank": r, "pg": "0", "seq": 1, "op": "all_reduce",
-                                         "step": 0, "enter_ns": 100 + r}) for r in range(3)))  # fmt: skip
+    src.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "job_id": "j",
+                    "rank": r,
+                    "pg": "0",
+                    "seq": 1,
+                    "op": "all_reduce",
+                    "step": 0,
+                    "enter_ns": 100 + r,
+                }
+            )
+            for r in range(3)
+        )
+    )
     r = run("ingest", "--store", store, str(src))
     assert r.exit_code == 0, r.output
     assert "collectives: 3 rows" in r.output
@@ -72,12 +86,18 @@ def test_store_from_environment(tmp_path):
 def test_errors_have_clear_messages_and_exit_codes(tmp_path, args, code, message):
     bad = tmp_path / "collectives.jsonl"
     bad.write_text("{oops\n")
-    subs = {"{store}": f"embedded://{tmp_path}/s", "{missing}": str(tmp_path / "nope.jsonl"), "{bad}": str(bad)}
+    subs = {
+        "{store}": f"embedded://{tmp_path}/s",
+        "{missing}": str(tmp_path / "nope.jsonl"),
+        "{bad}": str(bad),
+    }
     from ranklens.store import open_store
 
     open_store(subs["{store}"])  # exists, empty
     proc = subprocess.run(
-        [sys.executable, "-m", "ranklens.cli", *[subs.get(a, a) for a in args]], capture_output=True, text=True
+        [sys.executable, "-m", "ranklens.cli", *[subs.get(a, a) for a in args]],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == code, proc.stderr
     assert message in proc.stderr
@@ -86,9 +106,18 @@ def test_errors_have_clear_messages_and_exit_codes(tmp_path, args, code, message
 
 def test_server_unavailable_exit_code():
     proc = subprocess.run(
-        [sys.executable, "-m", "ranklens.cli", "sql", "--store", "clickhouse://default@127.0.0.1:1/x?retries=0", "SELECT 1"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ranklens.cli",
+            "sql",
+            "--store",
+            "clickhouse://default@127.0.0.1:1/x?retries=0",
+            "SELECT 1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 4 and "unavailable" in proc.stderr and "Traceback" not in proc.stderr
 
 

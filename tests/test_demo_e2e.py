@@ -15,8 +15,12 @@ pytestmark = pytest.mark.e2e
 def demo(*args: str, cwd) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "ranklens.cli", "demo", "--json", "--steps", "20", *args],
-        capture_output=True, text=True, cwd=cwd, timeout=300, env={**os.environ, "RANKLENS_STORE": ""},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        env={**os.environ, "RANKLENS_STORE": ""},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -41,14 +45,33 @@ def test_healthy_run_names_nobody(tmp_path):
 
 def test_demo_on_the_clickhouse_server(tmp_path, server_db_url):
     proc = subprocess.run(
-        [sys.executable, "-m", "ranklens.cli", "demo", "--store", server_db_url, "--ranks", "3", "--slow-rank", "2",
-         "--steps", "15", "--slowdown", "2"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ranklens.cli",
+            "demo",
+            "--store",
+            server_db_url,
+            "--ranks",
+            "3",
+            "--slow-rank",
+            "2",
+            "--steps",
+            "15",
+            "--slowdown",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 2" in proc.stdout and "is a straggler" in proc.stdout
     again = subprocess.run(
         [sys.executable, "-m", "ranklens.cli", "analyze", "--store", server_db_url, "--json"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert [s["rank"] for f in json.loads(again.stdout)["findings"] for s in f["suspects"]] == [2]

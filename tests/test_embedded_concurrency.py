@@ -15,7 +15,8 @@ WRITER = textwrap.dedent(
     s = open_store(sys.argv[1])
     for b in range(int(sys.argv[2])):
         s.write("collectives", [
-            {"job_id": "j", "rank": r, "pg": "0", "seq": b, "op": "all_reduce", "enter_ns": 10**18 + b * 10 + r}
+            {"job_id": "j", "rank": r, "pg": "0", "seq": b, "op": "all_reduce",
+             "enter_ns": 10**18 + b * 10 + r}
             for r in range(100)
         ])
         if b % 10 == 9:
@@ -45,8 +46,12 @@ READER = textwrap.dedent(
 def test_writer_reader_and_compactor_processes(tmp_path):
     url = f"embedded://{tmp_path / 'store'}"
     batches = 60
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, url, str(batches)], stdout=subprocess.PIPE, text=True)
-    reader = subprocess.Popen([sys.executable, "-c", READER, url, str(batches)], stdout=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, url, str(batches)], stdout=subprocess.PIPE, text=True
+    )
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, url, str(batches)], stdout=subprocess.PIPE, text=True
+    )
     w_out, _ = writer.communicate(timeout=120)
     r_out, _ = reader.communicate(timeout=120)
     assert writer.returncode == 0 and "writer done" in w_out

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import ranklens.analyzers
 import ranklens.collector
-import ranklens.store
 import ranklens.tracing
+
+import ranklens.store
 from ranklens.schema import render_cluster_ddl, render_server_ddl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,8 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_public_names():
     assert set(ranklens.tracing.__all__) == {
-        "Tracer", "allreduce_hook", "get_tracer", "init", "instrument_ddp", "phase", "shutdown", "step"
-    }  # fmt: skip
+        "Tracer",
+        "allreduce_hook",
+        "get_tracer",
+        "init",
+        "instrument_ddp",
+        "phase",
+        "shutdown",
+        "step",
+    }
     assert {"open_store", "Store", "QueryResult"} <= set(ranklens.store.__all__)
     assert {"find_stragglers", "Finding", "PersistentBlameDetector"} <= set(ranklens.analyzers.__all__)
     for mod in (ranklens.tracing, ranklens.store, ranklens.analyzers, ranklens.collector):
@@ -32,7 +40,9 @@ def test_tracing_imports_nothing_heavy():
         "bad = [m for m in ('pyarrow', 'chdb', 'clickhouse_driver', 'click', 'pandas') if m in sys.modules]; "
         "print(','.join(bad))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == ""
 
 

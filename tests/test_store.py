@@ -12,7 +12,14 @@ from ranklens.records import record_type, to_arrow
 from ranklens.store import open_store
 from ranklens.store.server import ServerConfig
 
-ROW = {"job_id": "j", "rank": 1, "pg": "0", "seq": 7, "op": "all_reduce", "enter_ns": 1_790_000_000_000_000_123}
+ROW = {
+    "job_id": "j",
+    "rank": 1,
+    "pg": "0",
+    "seq": 7,
+    "op": "all_reduce",
+    "enter_ns": 1_790_000_000_000_000_123,
+}
 
 
 def test_roundtrip_defaults_and_types(store):
@@ -42,7 +49,9 @@ def test_records_dataclasses(store):
 
 
 def test_write_many_and_aggregation(store):
-    rows = [dict(ROW, rank=r, seq=s, enter_ns=ROW["enter_ns"] + r * 1000 + s) for r in range(4) for s in range(50)]
+    rows = [
+        dict(ROW, rank=r, seq=s, enter_ns=ROW["enter_ns"] + r * 1000 + s) for r in range(4) for s in range(50)
+    ]
     counts = store.write_many({"collectives": to_arrow("collectives", rows), "steps": []})
     assert counts == {"collectives": 200, "steps": 0}
     r = store.query(
@@ -70,8 +79,16 @@ def test_invalid_rows_write_nothing(store):
 
 
 def test_arrow_input_is_cast_to_schema(store):
-    t = pa.table({"job_id": ["j"], "rank": pa.array([2], pa.int64()), "pg": ["0"], "seq": [1], "op": ["barrier"],
-                  "enter_ns": [5]})  # fmt: skip
+    t = pa.table(
+        {
+            "job_id": ["j"],
+            "rank": pa.array([2], pa.int64()),
+            "pg": ["0"],
+            "seq": [1],
+            "op": ["barrier"],
+            "enter_ns": [5],
+        }
+    )
     full = to_arrow("collectives", t.to_pylist())
     store.write("collectives", full)
     assert store.query("SELECT rank FROM collectives").scalar() == 2
@@ -111,7 +128,10 @@ def test_embedded_write_failure_commits_nothing(embedded_store):
     shutil.rmtree(embedded_store.root / "parts" / "collectives")
     with pytest.raises(StoreUnavailable):
         embedded_store.write_many(
-            {"steps": [{"job_id": "j", "rank": 0, "step": 1, "start_ns": 1, "end_ns": 2}], "collectives": [ROW]}
+            {
+                "steps": [{"job_id": "j", "rank": 0, "step": 1, "start_ns": 1, "end_ns": 2}],
+                "collectives": [ROW],
+            }
         )
     # the steps part of the failed call was not committed either
     assert embedded_store.query("SELECT count() FROM steps").scalar() == 1
@@ -133,8 +153,15 @@ def test_two_embedded_stores_in_one_process(tmp_path):
 def test_url_parsing():
     c = ServerConfig.from_url("clickhouses://bob:s%40cret@ch.example:9441/rl?verify=false&ca_certs=/ca.pem")
     assert (c.user, c.password, c.host, c.port, c.database, c.secure, c.verify, c.ca_certs) == (
-        "bob", "s@cret", "ch.example", 9441, "rl", True, False, "/ca.pem"
-    )  # fmt: skip
+        "bob",
+        "s@cret",
+        "ch.example",
+        9441,
+        "rl",
+        True,
+        False,
+        "/ca.pem",
+    )
     assert "s@cret" not in c.redacted_url()
     assert ServerConfig.from_url("clickhouse://h/db", password_env="pw").password == "pw"
     assert ServerConfig.from_url("clickhouses://h").port == 9440

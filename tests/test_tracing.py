@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from ranklens.collector import Shipper
 from ranklens.tracing.tracer import Tracer
 
@@ -34,7 +33,9 @@ def _segments(root: Path, table: str) -> list[dict]:
 
 
 def _tracer(tmp_path, **kw) -> Tracer:
-    return Tracer(job_id="j", attempt=0, rank=3, world_size=4, spool_dir=str(tmp_path), flush_interval_s=60, **kw)
+    return Tracer(
+        job_id="j", attempt=0, rank=3, world_size=4, spool_dir=str(tmp_path), flush_interval_s=60, **kw
+    )
 
 
 def test_steps_phases_and_spool(tmp_path):
@@ -43,7 +44,12 @@ def test_steps_phases_and_spool(tmp_path):
         pass
     t.shutdown()
     (step,) = _segments(tmp_path, "steps")
-    assert step["step"] == 7 and step["tokens"] == 100 and step["loss"] == 0.5 and step["end_ns"] > step["start_ns"]
+    assert (
+        step["step"] == 7
+        and step["tokens"] == 100
+        and step["loss"] == 0.5
+        and step["end_ns"] > step["start_ns"]
+    )
     phases = _segments(tmp_path, "phases")
     assert [p["phase"] for p in phases] == ["attention", "forward"]  # inner closes first
     assert _segments(tmp_path, "ranks")[0]["rank"] == 3
@@ -117,11 +123,26 @@ def _free_port() -> int:
 @pytest.mark.e2e
 def test_real_gloo_job_ledger(tmp_path, embedded_store):
     world = 4
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
-           "RANKLENS_SPOOL": str(tmp_path / "spool"), "RANKLENS_JOB_ID": "dist-test", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(world),
+        "RANKLENS_SPOOL": str(tmp_path / "spool"),
+        "RANKLENS_JOB_ID": "dist-test",
+        "OMP_NUM_THREADS": "1",
+    }
     script = Path(__file__).with_name("dist_job.py")
-    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     Shipper(tmp_path / "spool", embedded_store).ship_once()
@@ -135,17 +156,30 @@ def test_real_gloo_job_ledger(tmp_path, embedded_store):
         "WHERE pg NOT LIKE '%/p2p:%' GROUP BY pg, seq HAVING ops > 1 OR sizes > 1"
     )
     assert bad.num_rows == 0, bad.to_pylist()
-    counts = q("SELECT pg, seq, count() AS n FROM collectives WHERE pg NOT LIKE '%/p2p:%' GROUP BY pg, seq").rows()
+    counts = q(
+        "SELECT pg, seq, count() AS n FROM collectives WHERE pg NOT LIKE '%/p2p:%' GROUP BY pg, seq"
+    ).rows()
     for pg, _seq, n in counts:
         assert n == len(groups[pg])
     ops = {op for (op,) in q("SELECT DISTINCT op FROM collectives").rows()}
-    assert {"all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier",
-            "send", "recv", "isend", "irecv"} <= ops  # fmt: skip
+    assert {
+        "all_reduce",
+        "broadcast",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "barrier",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+    } <= ops
     # p2p pairs line up: rank 0's send #k matches rank 1's recv #k
     p2p = q("SELECT pg, seq, groupArray(op) FROM collectives WHERE pg LIKE '%/p2p:%' GROUP BY pg, seq").rows()
     assert len(p2p) == 6 and all(sorted(o) in (["recv", "send"], ["irecv", "isend"]) for _, _, o in p2p)
     # async completion comes from the work's future, not from the late wait(): < 0.2 s
-    async_ms = q("SELECT max(end_ns - enter_ns) / 1e6 FROM collectives WHERE async_op = 1 AND op = 'all_reduce'").scalar()
+    async_ms = q(
+        "SELECT max(end_ns - enter_ns) / 1e6 FROM collectives WHERE async_op = 1 AND op = 'all_reduce'"
+    ).scalar()
     assert 0 < async_ms < 150
     # rank 1 sleeps 50 ms before the first all_reduce of each step: it is the last arriver there
     last = q(

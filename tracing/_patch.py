@@ -178,10 +178,14 @@ def patch(tracer: Any) -> None:
         if orig is None:
             continue
         orig = getattr(orig, "__ranklens_wrapped__", orig)
-        wrapped = _wrap_new_group(tracer, orig, c10d) if name == "new_group" else _wrap(tracer, name, orig, c10d)
+        wrapped = (
+            _wrap_new_group(tracer, orig, c10d) if name == "new_group" else _wrap(tracer, name, orig, c10d)
+        )
         for mod in (dist, c10d):
             if getattr(mod, name, None) is not None:
-                _originals.setdefault((mod, name), getattr(getattr(mod, name), "__ranklens_wrapped__", getattr(mod, name)))
+                _originals.setdefault(
+                    (mod, name), getattr(getattr(mod, name), "__ranklens_wrapped__", getattr(mod, name))
+                )
                 setattr(mod, name, wrapped)
 
 

@@ -133,9 +133,16 @@ class Tracer:
                 rows.append(
                     (
                         "drops",
-                        {"ts_ns": now, "host": socket.gethostname(), "job_id": self.job_id,
-                         "rank": self.rank, "component": "tracer", "what": what, "count": n},
-                    )  # fmt: skip
+                        {
+                            "ts_ns": now,
+                            "host": socket.gethostname(),
+                            "job_id": self.job_id,
+                            "rank": self.rank,
+                            "component": "tracer",
+                            "what": what,
+                            "count": n,
+                        },
+                    )
                 )
             self._drops_reported = Counter(self._drops)
             by_table: dict[str, list[dict[str, Any]]] = {}
@@ -214,7 +221,13 @@ class Tracer:
             try:
                 self.add(
                     "phases",
-                    {**self._ident, "step": self._step, "phase": name, "start_ns": start, "end_ns": self.clock()},
+                    {
+                        **self._ident,
+                        "step": self._step,
+                        "phase": name,
+                        "start_ns": start,
+                        "end_ns": self.clock(),
+                    },
                 )
             except Exception:
                 self._drops["phases:error"] += 1
@@ -225,14 +238,23 @@ class Tracer:
         self._seq[key] = n
         return n
 
-    def collective_entered(self, pg: str, seq: int, op: str, nbytes: int, dtype: str, peer: int,
-                           async_op: bool) -> dict[str, Any]:  # fmt: skip
+    def collective_entered(
+        self, pg: str, seq: int, op: str, nbytes: int, dtype: str, peer: int, async_op: bool
+    ) -> dict[str, Any]:
         self._last_pg = pg
         self._last_entered = seq
         return {
-            **self._ident, "pg": pg, "seq": seq, "op": op, "nbytes": nbytes, "dtype": dtype,
-            "peer": peer, "step": self._step, "enter_ns": self.clock(), "async_op": int(async_op),
-        }  # fmt: skip
+            **self._ident,
+            "pg": pg,
+            "seq": seq,
+            "op": op,
+            "nbytes": nbytes,
+            "dtype": dtype,
+            "peer": peer,
+            "step": self._step,
+            "enter_ns": self.clock(),
+            "async_op": int(async_op),
+        }
 
     def collective_completed(self, row: dict[str, Any]) -> None:
         row["end_ns"] = self.clock()
@@ -269,7 +291,7 @@ class Tracer:
                 except Exception:
                     self._drops["collectives:watch_error"] += 1
             with self._pending_cv:
-                new = self._pending[len(pending):]
+                new = self._pending[len(pending) :]
                 self._pending = still + new
             time.sleep(0.001)
 

@@ -98,7 +98,14 @@ def run_demo(
     }
     args = ["--steps", str(steps), "--compute-ms", str(compute_ms)]
     if slow_rank is not None:
-        args += ["--slow-rank", str(slow_rank), "--slowdown", str(slowdown), "--slow-from-step", str(slow_from_step)]
+        args += [
+            "--slow-rank",
+            str(slow_rank),
+            "--slowdown",
+            str(slowdown),
+            "--slow-from-step",
+            str(slow_from_step),
+        ]
     procs = []
     start = time.monotonic()
     for r in range(ranks):
@@ -115,8 +122,14 @@ def run_demo(
                 out,
             )
         )
-    log(f"job {job_id}: {ranks} ranks x {steps} steps on gloo" + (
-        f", rank {slow_rank} slowed {slowdown}x from step {slow_from_step}" if slow_rank is not None else ", healthy"))  # fmt: skip
+    log(
+        f"job {job_id}: {ranks} ranks x {steps} steps on gloo"
+        + (
+            f", rank {slow_rank} slowed {slowdown}x from step {slow_from_step}"
+            if slow_rank is not None
+            else ", healthy"
+        )
+    )
 
     # Ship spools into the store while the job runs (the live path).
     shipper = Shipper(spool, store)
@@ -164,14 +177,22 @@ def run_demo(
     if failed:
         bad = [r for r, c in codes.items() if c != 0] or list(codes)
         tail = (logs / f"rank{bad[0]}.log").read_text()[-3000:]
-        raise DemoFailed(f"the demo job {failed} (exit codes {codes}); logs in {logs}\n--- rank {bad[0]} ---\n{tail}")
+        raise DemoFailed(
+            f"the demo job {failed} (exit codes {codes}); logs in {logs}\n--- rank {bad[0]} ---\n{tail}"
+        )
     findings = find_stragglers(store, job_id, 0)
     save_findings(store, findings)
     shutil.rmtree(spool, ignore_errors=True)
     return DemoResult(
-        job_id=job_id, ranks=ranks, steps=steps, slow_rank=slow_rank, wall_s=time.monotonic() - start,
-        rows=dict(shipper.totals), findings=findings, log_dir=str(logs),
-    )  # fmt: skip
+        job_id=job_id,
+        ranks=ranks,
+        steps=steps,
+        slow_rank=slow_rank,
+        wall_s=time.monotonic() - start,
+        rows=dict(shipper.totals),
+        findings=findings,
+        log_dir=str(logs),
+    )
 
 
 def _last_step(path: Path) -> int:

@@ -59,9 +59,7 @@ def _chdb_session() -> Any:
         try:
             from chdb import session as chdb_session
         except ImportError as e:  # pragma: no cover - depends on the install
-            raise StoreUnavailable(
-                "the embedded store needs chDB: pip install 'ranklens[embedded]'"
-            ) from e
+            raise StoreUnavailable("the embedded store needs chDB: pip install 'ranklens[embedded]'") from e
         _session = chdb_session.Session()
         _session_pid = os.getpid()
     return _session

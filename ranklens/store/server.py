@@ -95,7 +95,9 @@ class ServerStore:
         try:
             import clickhouse_driver  # noqa: F401
         except ImportError as e:  # pragma: no cover
-            raise StoreUnavailable("the server store needs clickhouse-driver: pip install 'ranklens[store]'") from e
+            raise StoreUnavailable(
+                "the server store needs clickhouse-driver: pip install 'ranklens[store]'"
+            ) from e
         self.config = config
         self.url = config.redacted_url()
         self._local = threading.local()
@@ -172,7 +174,9 @@ class ServerStore:
                 time.sleep(delay)
                 delay *= 2
             except ch_errors.ServerException as e:
-                raise StoreError(f"ClickHouse server {self.url} rejected the query: {e.message.strip()}") from e
+                raise StoreError(
+                    f"ClickHouse server {self.url} rejected the query: {e.message.strip()}"
+                ) from e
             except ch_errors.Error as e:
                 raise StoreError(f"ClickHouse client error against {self.url}: {e}") from e
         raise AssertionError("unreachable")  # pragma: no cover
@@ -184,7 +188,9 @@ class ServerStore:
             stmt = "\n".join(line for line in stmt.splitlines() if not line.startswith("--")).strip()
             if stmt:
                 self._execute(stmt, database=False)
-        rows = self._execute(f"SELECT value FROM {self.config.database}.{META_TABLE} WHERE key = 'schema_version'")
+        rows = self._execute(
+            f"SELECT value FROM {self.config.database}.{META_TABLE} WHERE key = 'schema_version'"
+        )
         if not rows:
             self._execute(
                 f"INSERT INTO {self.config.database}.{META_TABLE} (key, value, updated_ns) VALUES",
@@ -268,10 +274,18 @@ def _arrow_type(ch_type: str) -> Any:
     import pyarrow as pa
 
     simple = {
-        "Int8": pa.int8(), "Int16": pa.int16(), "Int32": pa.int32(), "Int64": pa.int64(),
-        "UInt8": pa.uint8(), "UInt16": pa.uint16(), "UInt32": pa.uint32(), "UInt64": pa.uint64(),
-        "Float32": pa.float32(), "Float64": pa.float64(), "String": pa.string(),
-    }  # fmt: skip
+        "Int8": pa.int8(),
+        "Int16": pa.int16(),
+        "Int32": pa.int32(),
+        "Int64": pa.int64(),
+        "UInt8": pa.uint8(),
+        "UInt16": pa.uint16(),
+        "UInt32": pa.uint32(),
+        "UInt64": pa.uint64(),
+        "Float32": pa.float32(),
+        "Float64": pa.float64(),
+        "String": pa.string(),
+    }
     if ch_type in simple:
         return simple[ch_type]
     if ch_type.startswith("Nullable(") and ch_type[9:-1] in simple:
@@ -279,4 +293,3 @@ def _arrow_type(ch_type: str) -> Any:
     if ch_type.startswith("Array(") and ch_type[6:-1] in simple:
         return pa.list_(simple[ch_type[6:-1]])
     return None  # let Arrow infer (tuples, dates, ...)
-

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start/stop a throw-away ClickHouse server (Debian's clickhouse-server) on loopback for the tests.
-# Usage: .ci/clickhouse.sh start|stop [DIR]   (DIR defaults to /tmp/ranklens-clickhouse)
+# Usage: scripts/clickhouse.sh start|stop [DIR]   (DIR defaults to /tmp/ranklens-clickhouse)
 # Ports: native 127.0.0.1:${RANKLENS_CH_TCP_PORT:-9000}, http ${RANKLENS_CH_HTTP_PORT:-8123}.
 set -euo pipefail
 cmd=${1:?usage: $0 start|stop [DIR]}
