@@ -58,3 +58,10 @@ def test_no_generic_top_level_modules_installed():
 def test_deploy_ddl_is_generated_and_current():
     assert (ROOT / "deploy/clickhouse/single.sql").read_text() == render_server_ddl()
     assert (ROOT / "deploy/clickhouse/cluster.sql").read_text() == render_cluster_ddl()
+
+
+def test_ingest_doc_is_current():
+    import runpy
+
+    render = runpy.run_path(str(ROOT / "scripts/gen_ingest_doc.py"))["render"]
+    assert (ROOT / "docs/ingest-format.md").read_text() == render()
