@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
 from ranklens.analyzers.blame import BlameMatrix
 
 __all__ = ["Detection", "PersistentBlameDetector", "StragglerDetector"]

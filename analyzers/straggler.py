@@ -7,10 +7,10 @@ each detection into a :class:`~ranklens.analyzers.findings.Finding` with evidenc
 from __future__ import annotations
 
 import numpy as np
+
 from ranklens.analyzers.blame import BlameMatrix, compute_blame
 from ranklens.analyzers.detectors import Detection, PersistentBlameDetector, StragglerDetector
 from ranklens.analyzers.findings import Finding, Severity, Suspect, finding_id
-
 from ranklens.store.api import Store
 
 __all__ = ["find_stragglers", "to_finding"]

@@ -87,8 +87,8 @@ def bench_backend(name: str, store, data: dict, batch: int) -> None:
         store.write("collectives", coll.slice(off, batch))
     dt = time.perf_counter() - t
     print(
-        f"{name:9s} insert: {coll.num_rows:,} collective rows in {dt:.2f} s = {coll.num_rows / dt:,.0f} rows/s "
-        f"(batches of {batch:,})"
+        f"{name:9s} insert: {coll.num_rows:,} collective rows in {dt:.2f} s = "
+        f"{coll.num_rows / dt:,.0f} rows/s (batches of {batch:,})"
     )
     store.write("steps", data["steps"])
     if hasattr(store, "compact"):

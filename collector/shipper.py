@@ -25,6 +25,7 @@ __all__ = ["ShipResult", "Shipper"]
 log = logging.getLogger("ranklens.collector")
 
 QUARANTINE = "quarantine"
+COMPACT_EVERY = 20
 
 
 @dataclass
@@ -124,12 +125,23 @@ class Shipper:
         stop: Callable[[], bool] = lambda: False,
         on_pass: Callable[[ShipResult], None] | None = None,
     ) -> None:
-        """Ship until ``stop()`` is true (checked every ``interval_s``), then one last pass."""
+        """Ship until ``stop()`` is true (checked every ``interval_s``), then one last pass.
+
+        Every ``COMPACT_EVERY`` passes, a store that can (the embedded one) merges small parts, so
+        a collector that runs for weeks keeps readers fast."""
+        passes = 0
         while True:
             stopping = stop()
             r = self.ship_once()
+            passes += 1
             if on_pass:
                 on_pass(r)
+            compact = getattr(self.store, "compact", None)
+            if compact is not None and (passes % COMPACT_EVERY == 0 or stopping):
+                try:
+                    compact()
+                except Exception:
+                    log.exception("ranklens collector: compaction failed (data is safe, parts stay)")
             if stopping:
                 return
             time.sleep(interval_s)

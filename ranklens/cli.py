@@ -188,12 +188,26 @@ def demo(
     _print_findings(result.findings)
     q = f" --store {store.url}" if store_url else ""
     click.echo("\nLook further:")
-    click.echo(f"  ranklens analyze{q} --job {result.job_id} --json")
+    prog = _prog()
+    click.echo(f"  {prog} analyze{q} --job {result.job_id} --json")
     click.echo(
-        f'  ranklens sql{q} "SELECT rank, phase, round(avg(end_ns - start_ns) / 1e6, 1) AS ms FROM phases '
+        f'  {prog} sql{q} "SELECT rank, phase, round(avg(end_ns - start_ns) / 1e6, 1) AS ms FROM phases '
         f"WHERE job_id = '{result.job_id}' GROUP BY rank, phase ORDER BY phase, rank\""
     )
     click.echo(f"  rank logs: {result.log_dir}")
+
+
+def _prog() -> str:
+    """How the user can call ranklens again: ``ranklens`` when it is on PATH, else the path used."""
+    import os
+    import shutil
+
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "ranklens"
+    on_path = shutil.which("ranklens")
+    if os.path.basename(argv0) != "ranklens" or (on_path and os.path.samefile(on_path, argv0)):
+        return "ranklens"
+    rel = os.path.relpath(argv0)
+    return argv0 if rel.startswith("..") else rel
 
 
 def _print_findings(findings: list[Any]) -> None:

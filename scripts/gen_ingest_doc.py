@@ -1,6 +1,6 @@
 """Regenerates docs/ingest-format.md from ranklens.schema (tests check it is current).
 
-    python scripts/gen_ingest_doc.py > docs/ingest-format.md
+python scripts/gen_ingest_doc.py > docs/ingest-format.md
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 import time
 
-import ranklens.tracing as rlt
 import torch
 import torch.distributed as dist
+
+import ranklens.tracing as rlt
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ranklens.analyzers import (
     PersistentBlameDetector,
     compute_blame,
@@ -13,7 +14,6 @@ from ranklens.analyzers import (
 )
 from ranklens.analyzers.blame import union_length
 from ranklens.analyzers.findings import finding_id
-
 from ranklens.store import open_store
 from tests.helpers import synthetic_job
 

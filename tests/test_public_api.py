@@ -8,9 +8,8 @@ from pathlib import Path
 
 import ranklens.analyzers
 import ranklens.collector
-import ranklens.tracing
-
 import ranklens.store
+import ranklens.tracing
 from ranklens.schema import render_cluster_ddl, render_server_ddl
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from ranklens.collector import Shipper
 from ranklens.tracing.tracer import Tracer
 

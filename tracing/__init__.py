@@ -30,10 +30,9 @@ import time
 import uuid
 from typing import Any
 
-from ranklens.tracing.tracer import Tracer
-
 from ranklens.config import DEFAULT_SPOOL_DIR as DEFAULT_SPOOL
 from ranklens.config import ENV_ATTEMPT, ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL
+from ranklens.tracing.tracer import Tracer
 
 __all__ = ["Tracer", "allreduce_hook", "get_tracer", "init", "instrument_ddp", "phase", "shutdown", "step"]
 
