@@ -103,9 +103,7 @@ class Shipper:
             written = self.store.write_many(merged)
         except StoreError as e:
             result.error = str(e)
-            log.warning(
-                "ranklens collector: store unavailable, %d segment(s) kept for retry: %s", len(done), e
-            )
+            log.warning("ranklens collector: store unavailable, %d segment(s) kept for retry: %s", len(done), e)
             return result
         for seg in done:
             try:

@@ -73,9 +73,7 @@ def _clean(v: Any) -> Any:
     return v
 
 
-@click.group(
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=_EPILOG
-)
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=_EPILOG)
 @click.version_option(__version__, prog_name="ranklens")
 def cli() -> None:
     """ranklens: which rank, GPU, node or link is slowing or hanging a distributed training job,
@@ -99,9 +97,7 @@ def version() -> None:
 
 @cli.command(epilog=_EPILOG)
 @_store_option
-@click.option(
-    "--ranks", type=click.IntRange(2, 64), default=4, show_default=True, help="Ranks (processes) of the job."
-)
+@click.option("--ranks", type=click.IntRange(2, 64), default=4, show_default=True, help="Ranks (processes) of the job.")
 @click.option("--slow-rank", type=int, default=2, show_default=True, help="The rank to slow down.")
 @click.option(
     "--slowdown",
@@ -111,9 +107,7 @@ def version() -> None:
     help="Compute-time factor of the slowed rank (1.5 = its compute takes 50% longer).",
 )
 @click.option("--slow-from-step", type=int, default=5, show_default=True, help="First slowed step.")
-@click.option(
-    "--steps", type=click.IntRange(5, 100000), default=30, show_default=True, help="Training steps."
-)
+@click.option("--steps", type=click.IntRange(5, 100000), default=30, show_default=True, help="Training steps.")
 @click.option(
     "--compute-ms",
     type=click.FloatRange(1, 10000),
@@ -182,9 +176,7 @@ def demo(
             )
         )
         return
-    click.echo(
-        f"job {result.job_id} finished in {result.wall_s:.1f} s; {rows:,} records collected into the store."
-    )
+    click.echo(f"job {result.job_id} finished in {result.wall_s:.1f} s; {rows:,} records collected into the store.")
     _print_findings(result.findings)
     q = f" --store {store.url}" if store_url else ""
     click.echo("\nLook further:")
@@ -227,15 +219,39 @@ def _print_findings(findings: list[Any]) -> None:
 @_store_option
 @click.option("--job", "job_id", default=None, help="Job id (default: the job with the most recent step).")
 @click.option("--attempt", type=int, default=None, help="Restart attempt (default: the latest of the job).")
+@click.option(
+    "--flight-recorder",
+    "fr_dir",
+    type=click.Path(exists=True),
+    default=None,
+    help="Post-mortem: analyze PyTorch flight-recorder dumps (pickle or JSON, NCCL or gloo) in this "
+    "directory instead of the store; findings: hang, crash, desync, size_mismatch.",
+)
+@click.option(
+    "--world-size",
+    type=click.IntRange(1),
+    default=None,
+    help="With --flight-recorder: ranks of the job (lets a missing highest rank be named).",
+)
 @click.option("--json", "as_json", is_flag=True, help='Print {"findings": [...]} as one JSON object.')
 @click.option("--no-save", is_flag=True, help="Do not write the findings to the store.")
 @_errors
 def analyze(
-    store_url: str | None, job_id: str | None, attempt: int | None, as_json: bool, no_save: bool
+    store_url: str | None,
+    job_id: str | None,
+    attempt: int | None,
+    fr_dir: str | None,
+    world_size: int | None,
+    as_json: bool,
+    no_save: bool,
 ) -> None:
-    """Analyze a job in the store and print its findings (stragglers, for now)."""
+    """Analyze a job in the store (stragglers) or flight-recorder dumps (hangs, crashes, desyncs)
+    and print its findings."""
     from ranklens.analyzers import find_stragglers, latest_job, save_findings
 
+    if fr_dir is not None:
+        _analyze_flight_recorder(store_url, fr_dir, job_id, attempt or 0, world_size, as_json, no_save)
+        return
     store = _open(store_url, create=False)
     if job_id is None:
         latest = latest_job(store)
@@ -245,9 +261,7 @@ def analyze(
         attempt = found_attempt if attempt is None else attempt
     elif attempt is None:
         esc = job_id.replace("\\", "\\\\").replace("'", "\\'")
-        n, top = store.query(f"SELECT count(), max(attempt) FROM collectives WHERE job_id = '{esc}'").rows()[
-            0
-        ]
+        n, top = store.query(f"SELECT count(), max(attempt) FROM collectives WHERE job_id = '{esc}'").rows()[0]
         if not n:
             raise NotFound(
                 f"no records of job {job_id!r} in {store.url}; "
@@ -269,6 +283,65 @@ def analyze(
     _print_findings(findings)
 
 
+def _analyze_flight_recorder(
+    store_url: str | None,
+    fr_dir: str,
+    job_id: str | None,
+    attempt: int,
+    world_size: int | None,
+    as_json: bool,
+    no_save: bool,
+) -> None:
+    from ranklens.analyzers import save_findings
+    from ranklens.analyzers.hangs import analyze_flight_recorder, group_progress
+    from ranklens.collector.flight_recorder import infer_job_id, load_dumps
+
+    dumps = load_dumps(fr_dir)
+    if not dumps:
+        raise NotFound(f"no flight-recorder dumps under {fr_dir} (files named like fr_trace_rank_<r>[.json])")
+    job_id = job_id or infer_job_id(dumps)
+    findings = analyze_flight_recorder(dumps, world_size=world_size, job_id=job_id, attempt=attempt)
+    if store_url and not no_save:  # post-mortem needs no store; save only into one named
+        save_findings(_open(store_url), findings)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "job_id": job_id,
+                    "attempt": attempt,
+                    "dumps": [d.rank for d in dumps],
+                    "findings": [f.to_json() for f in findings],
+                },
+                default=_json_default,
+            )
+        )
+        return
+    click.echo(f"{len(dumps)} flight-recorder dump(s) from ranks {', '.join(str(d.rank) for d in dumps)}; job {job_id}")
+    pending = group_progress(dumps, world_size=world_size)
+    if pending:
+        click.echo("Pending collectives:")
+    for g in pending:
+
+        def ranks(rs: tuple[int, ...]) -> str:
+            return ", ".join(map(str, rs)) or "-"
+
+        click.echo(
+            f"  {g.pg.desc or g.pg.name} (pg {g.pg.name}, ranks {ranks(g.pg.members)}): {g.op} #{g.seq} "
+            f"{[list(x) for x in g.input_sizes]}: entered {ranks(g.entered)}; in flight {ranks(g.in_flight)}; "
+            f"ended {ranks(g.completed)}; never entered {ranks(g.missing)}; no dump {ranks(g.no_dump)}"
+        )
+    if not findings:
+        click.echo("\nNo findings: every process group is consistent and nothing is pending.")
+        return
+    click.echo(f"\nFindings ({len(findings)}):")
+    for f in findings:
+        click.echo(f"  [{f.severity.value.upper()}] {f.kind}: {f.title}")
+        action = f.evidence.get("action")
+        if action:
+            click.echo(f"      recommended: {action} ({f.evidence.get('action_reason', '')})")
+        click.echo(f"      confidence {f.confidence:.2f}, id {f.id}")
+
+
 @cli.command(epilog=_EPILOG)
 @_store_option
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
@@ -277,11 +350,26 @@ def analyze(
     "fmt",
     type=click.Choice(["jsonl", "parquet", "flight-recorder", "kineto"]),
     default=None,
-    help="Input format (default: by file extension: .jsonl or .parquet).",
+    help="Input format (default: detected: .jsonl/.parquet files are the open format, "
+    "other files flight-recorder dumps).",
 )
 @click.option("--table", default=None, help="Table of the records, when neither header nor file name tells.")
+@click.option(
+    "--job",
+    "job_id",
+    default=None,
+    help="Flight-recorder dumps: the job id (default: derived from the dumps).",
+)
+@click.option("--world-size", type=click.IntRange(1), default=None, help="Flight-recorder dumps: ranks of the job.")
 @_errors
-def ingest(store_url: str | None, paths: tuple[str, ...], fmt: str | None, table: str | None) -> None:
+def ingest(
+    store_url: str | None,
+    paths: tuple[str, ...],
+    fmt: str | None,
+    table: str | None,
+    job_id: str | None,
+    world_size: int | None,
+) -> None:
     """Load records (the open JSON Lines / Parquet format, docs/ingest-format.md) into the store.
 
     Every file is validated before anything is written: a malformed file is named with its
@@ -289,11 +377,21 @@ def ingest(store_url: str | None, paths: tuple[str, ...], fmt: str | None, table
     """
     from ranklens.ingest import expand, ingest_paths
 
-    if fmt in ("flight-recorder", "kineto"):
+    fmt = fmt or _detect_format(paths)
+    if fmt == "kineto":
         raise RanklensError(
-            f"--format {fmt} is not supported by this release yet (flight-recorder dumps: issue #6, "
-            "Kineto traces: issue #3); convert to the open JSON Lines format meanwhile"
+            "--format kineto is not supported by this release yet (issue #3); "
+            "convert to the open JSON Lines format meanwhile"
         )
+    if fmt == "flight-recorder":
+        from ranklens.collector.flight_recorder import ingest_flight_recorder
+
+        store = _open(store_url)
+        written = ingest_flight_recorder(store, list(paths), job_id=job_id, world_size=world_size)
+        for name, n in sorted(written.items()):
+            click.echo(f"{name}: {n:,} rows")
+        click.echo(f"ingested flight-recorder dumps into {store.url}")
+        return
     files = expand(list(paths))
     store = _open(store_url)
     with click.progressbar(length=len(files), label="validating", file=sys.stderr, show_pos=True) as bar:
@@ -307,9 +405,7 @@ def ingest(store_url: str | None, paths: tuple[str, ...], fmt: str | None, table
 @_store_option
 @click.argument("query")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of row objects.")
-@click.option(
-    "--max-rows", type=int, default=1000, show_default=True, help="Rows to print at most (table output)."
-)
+@click.option("--max-rows", type=int, default=1000, show_default=True, help="Rows to print at most (table output).")
 @_errors
 def sql(store_url: str | None, query: str, as_json: bool, max_rows: int) -> None:
     """Run one SQL query (ClickHouse dialect) against the store and print the rows.
@@ -320,11 +416,7 @@ def sql(store_url: str | None, query: str, as_json: bool, max_rows: int) -> None
     store = _open(store_url, create=False)
     r = store.query(query)
     if as_json:
-        click.echo(
-            json.dumps(
-                [{k: _clean(v) for k, v in row.items()} for row in r.to_pylist()], default=_json_default
-            )
-        )
+        click.echo(json.dumps([{k: _clean(v) for k, v in row.items()} for row in r.to_pylist()], default=_json_default))
         return
     cols = r.columns
     rows = [[_fmt(v) for v in row] for row in r.rows()[:max_rows]]
@@ -335,6 +427,22 @@ def sql(store_url: str | None, query: str, as_json: bool, max_rows: int) -> None
         click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths)))
     more = f" (showing {max_rows})" if r.num_rows > max_rows else ""
     click.echo(f"({r.num_rows} row{'s' if r.num_rows != 1 else ''}{more})", err=True)
+
+
+def _detect_format(paths: tuple[str, ...]) -> str | None:
+    """None (the open format) when every file is .jsonl/.parquet; Kineto for Chrome traces;
+    else flight-recorder dumps (pickle without extension, or JSON with FR's keys)."""
+    from pathlib import Path
+
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files.extend(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else files.append(p)
+    files = [f for f in files if not f.name.startswith(".") and f.suffix not in (".md", ".txt", ".log")]
+    if not files or all(f.suffix in (".jsonl", ".parquet", ".pq") for f in files):
+        return None
+    if any(f.name.endswith((".pt.trace.json", ".trace.json")) for f in files):
+        return "kineto"
+    return "flight-recorder"
 
 
 def _fmt(v: Any) -> str:
@@ -390,10 +498,44 @@ def collect(store_url: str | None, spool_dir: str, follow: bool, interval: float
         shipper.ship_once()
 
 
-@cli.command(epilog=_EPILOG)
-@click.option(
-    "--target", type=click.Choice(["server", "cluster", "embedded"]), default="server", show_default=True
+@cli.command(
+    epilog=_EPILOG,
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
+@_store_option
+@click.option(
+    "--spool",
+    "spool_dir",
+    envvar="RANKLENS_SPOOL",
+    default="/tmp/ranklens-spool",
+    show_default=True,
+    help="Spool root the ranks write (env RANKLENS_SPOOL).",
+)
+@click.option("--job-id", default=None, help="Job id shared by all ranks (default: generated; env RANKLENS_JOB_ID).")
+@click.option("--no-collect", is_flag=True, help="Only spool; do not ship into the store.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@_errors
+def run(store_url: str | None, spool_dir: str, job_id: str | None, no_collect: bool, command: tuple[str, ...]) -> None:
+    """Trace an unmodified training command: ranklens run -- torchrun --nproc-per-node 4 train.py
+
+    Every rank calls ranklens.tracing.init() right after init_process_group (DDP included), and
+    the spool is shipped into the store while the command runs (unless another collector already
+    serves the spool). Exits with the command's exit code. RANKLENS_DISABLE=1 turns tracing off.
+    """
+    from ranklens.launch import run_traced
+
+    store = None if no_collect else _open(store_url)
+    result = run_traced(command, store, spool_dir=spool_dir, job_id=job_id, log=lambda s: click.echo(s, err=True))
+    if result.collector:
+        rows = ", ".join(f"{k} {v:,}" for k, v in sorted(result.rows.items())) or "no records"
+        click.echo(f"ranklens run: job {result.job_id} exited {result.returncode}; collected {rows}", err=True)
+        if store is not None and result.rows.get("collectives"):
+            click.echo(f"ranklens run: next: {_prog()} analyze --job {result.job_id}", err=True)
+    sys.exit(result.returncode)
+
+
+@cli.command(epilog=_EPILOG)
+@click.option("--target", type=click.Choice(["server", "cluster", "embedded"]), default="server", show_default=True)
 @click.option("--database", default="ranklens", show_default=True)
 @click.option("--cluster", default="ranklens", show_default=True, help="Cluster name (--target cluster).")
 def schema(target: str, database: str, cluster: str) -> None:

@@ -76,9 +76,7 @@ def read_jsonl(path: str | Path, table: str | None = None) -> tuple[str, Any]:
                         str(path), f"line {no}", f"not valid JSON ({e.msg} at column {e.colno})"
                     ) from None
                 if not isinstance(obj, dict):
-                    raise IngestError(
-                        str(path), f"line {no}", f"expected a JSON object, got {type(obj).__name__}"
-                    )
+                    raise IngestError(str(path), f"line {no}", f"expected a JSON object, got {type(obj).__name__}")
                 if "ranklens" in obj and not rows and declared is None:
                     if obj.get("ranklens") != "records" or obj.get("version") != SPOOL_VERSION:
                         raise IngestError(
@@ -137,9 +135,7 @@ def read_parquet(path: str | Path, table: str | None = None) -> tuple[str, Any]:
         col = data.column(c.name)
         if col.null_count:
             first = pc.index(pc.is_null(col), True).as_py()
-            raise IngestError(
-                str(path), f"row {first}", f"column {c.name!r} is null (use the default instead)"
-            )
+            raise IngestError(str(path), f"row {first}", f"column {c.name!r} is null (use the default instead)")
         try:
             arrays.append(col.cast(field.type, safe=True))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
@@ -165,9 +161,7 @@ def expand(paths: Sequence[str | Path]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            out.extend(
-                sorted(q for q in p.rglob("*") if q.is_file() and q.suffix in (".jsonl", ".parquet", ".pq"))
-            )
+            out.extend(sorted(q for q in p.rglob("*") if q.is_file() and q.suffix in (".jsonl", ".parquet", ".pq")))
         elif p.exists():
             out.append(p)
         else:

@@ -135,7 +135,11 @@ _table(
         _c("step", "Int64", "training step the call belongs to, -1 unknown", default=-1),
         _c("enter_ns", "Int64", "arrival: when this rank reached the collective", required=True),
         _c("start_ns", "Int64", "when the transfer started (0 unknown)"),
-        _c("end_ns", "Int64", "when the call completed on this rank (0 not completed)"),
+        _c(
+            "end_ns",
+            "Int64",
+            "when the call completed on this rank (0 not completed, -1 ended at an unknown time)",
+        ),
         _c("clock", "String", "cpu or cuda: what enter/start/end were measured on", default="cpu"),
         _c("async_op", "UInt8", "1 when issued with async_op=True"),
     ],

@@ -26,9 +26,7 @@ def synthetic_job(
     rows: dict[str, list[dict]] = {"collectives": [], "steps": [], "ranks": [], "process_groups": []}
     for r in range(ranks):
         rows["ranks"].append({"job_id": job_id, "rank": r, "world_size": ranks, "host": f"node{r // 2}"})
-    rows["process_groups"].append(
-        {"job_id": job_id, "pg": "0", "ranks": list(range(ranks)), "backend": "gloo"}
-    )
+    rows["process_groups"].append({"job_id": job_id, "pg": "0", "ranks": list(range(ranks)), "backend": "gloo"})
     t = T0
     seq = 0
     for s in range(steps):
@@ -61,7 +59,5 @@ def synthetic_job(
                 )
             t = end
         for r in range(ranks):
-            rows["steps"].append(
-                {"job_id": job_id, "rank": r, "step": s, "start_ns": step_start, "end_ns": t}
-            )
+            rows["steps"].append({"job_id": job_id, "rank": r, "step": s, "start_ns": step_start, "end_ns": t})
     return rows

@@ -92,9 +92,7 @@ def test_findings_keep_a_stable_identity(store):
     save_findings(store, first)
     again = find_stragglers(store, "job-synth")
     save_findings(store, again)
-    assert (
-        [f.id for f in first] == [f.id for f in again] == [finding_id("job-synth", 0, "straggler", "rank:2")]
-    )
+    assert [f.id for f in first] == [f.id for f in again] == [finding_id("job-synth", 0, "straggler", "rank:2")]
     latest = latest_findings(store, "job-synth")
     assert len(latest) == 1 and latest[0]["suspect_ranks"] == [2]
 

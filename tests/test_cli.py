@@ -125,3 +125,31 @@ def test_schema_targets():
     for target in ("server", "cluster", "embedded"):
         r = run("schema", "--target", target)
         assert r.exit_code == 0 and "collectives" in r.output
+
+
+DATA = __import__("pathlib").Path(__file__).with_name("data") / "flight_recorder"
+
+
+@pytest.mark.parametrize(("scenario", "kind", "rank"), [("desync", "desync", 2), ("crashed_rank", "crash", 1)])
+def test_analyze_flight_recorder_cli(scenario, kind, rank):
+    r = run("analyze", "--flight-recorder", str(DATA / scenario / "fr_pickle"), "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert [(f["kind"], [s["rank"] for s in f["suspects"]]) for f in out["findings"]] == [(kind, [rank])]
+    text = run("analyze", "--flight-recorder", str(DATA / scenario / "fr_json")).output
+    assert f"rank {rank}" in text and "recommended:" in text
+
+
+def test_ingest_flight_recorder_detected(tmp_path):
+    store = f"embedded://{tmp_path}/s"
+    r = run("ingest", "--store", store, "--job", "fr-desync", str(DATA / "desync" / "fr_pickle"))
+    assert r.exit_code == 0, r.output
+    r = run(
+        "sql",
+        "--store",
+        store,
+        "--json",
+        "SELECT count() AS n, uniqExact(rank) AS ranks FROM collectives WHERE job_id = 'fr-desync'",
+    )
+    (row,) = json.loads(r.output)
+    assert row["ranks"] == 4 and row["n"] > 100

@@ -34,10 +34,7 @@ def test_corrupt_segment_is_quarantined_not_lost(tmp_path, embedded_store):
     assert any(p.suffix == ".jsonl" for p in q) and any(p.suffix == ".reason" for p in q)
     reason = next(p for p in q if p.suffix == ".reason").read_text()
     assert "line 2" in reason and "not valid JSON" in reason
-    assert (
-        embedded_store.query("SELECT sum(count) FROM drops WHERE what = 'spool_segment_quarantined'").scalar()
-        == 1
-    )
+    assert embedded_store.query("SELECT sum(count) FROM drops WHERE what = 'spool_segment_quarantined'").scalar() == 1
 
 
 def test_store_failure_keeps_segments_for_retry(tmp_path, embedded_store):

@@ -46,12 +46,8 @@ READER = textwrap.dedent(
 def test_writer_reader_and_compactor_processes(tmp_path):
     url = f"embedded://{tmp_path / 'store'}"
     batches = 60
-    writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER, url, str(batches)], stdout=subprocess.PIPE, text=True
-    )
-    reader = subprocess.Popen(
-        [sys.executable, "-c", READER, url, str(batches)], stdout=subprocess.PIPE, text=True
-    )
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, url, str(batches)], stdout=subprocess.PIPE, text=True)
+    reader = subprocess.Popen([sys.executable, "-c", READER, url, str(batches)], stdout=subprocess.PIPE, text=True)
     w_out, _ = writer.communicate(timeout=120)
     r_out, _ = reader.communicate(timeout=120)
     assert writer.returncode == 0 and "writer done" in w_out

@@ -27,9 +27,7 @@ def test_jsonl_with_header(tmp_path, store):
 
 
 def test_table_from_file_name_and_option(tmp_path):
-    p = _jsonl(
-        tmp_path / "steps-rank3.jsonl", {"job_id": "j", "rank": 3, "step": 0, "start_ns": 1, "end_ns": 2}
-    )
+    p = _jsonl(tmp_path / "steps-rank3.jsonl", {"job_id": "j", "rank": 3, "step": 0, "start_ns": 1, "end_ns": 2})
     assert read_jsonl(p)[0] == "steps"
     q = _jsonl(tmp_path / "x.jsonl", {"job_id": "j", "rank": 3, "step": 0, "start_ns": 1, "end_ns": 2})
     assert read_jsonl(q, table="steps")[0] == "steps"
@@ -76,9 +74,7 @@ def test_binary_garbage_and_bad_header(tmp_path):
     p.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(IngestError, match="not UTF-8"):
         read_jsonl(p)
-    q = _jsonl(
-        tmp_path / "collectives2.jsonl", {"ranklens": "records", "version": 99, "table": "collectives"}
-    )
+    q = _jsonl(tmp_path / "collectives2.jsonl", {"ranklens": "records", "version": 99, "table": "collectives"})
     with pytest.raises(IngestError, match="unsupported header"):
         read_jsonl(q)
 
@@ -116,16 +112,12 @@ def test_parquet_errors(tmp_path):
     with pytest.raises(IngestError, match="required column 'end_ns' is missing"):
         read_parquet(p)
     pq.write_table(
-        pa.table(
-            {"job_id": ["j", None], "rank": [0, 1], "step": [1, 1], "start_ns": [1, 1], "end_ns": [2, 2]}
-        ),
+        pa.table({"job_id": ["j", None], "rank": [0, 1], "step": [1, 1], "start_ns": [1, 1], "end_ns": [2, 2]}),
         p,
     )
     with pytest.raises(IngestError, match="row 1: column 'job_id' is null"):
         read_parquet(p)
-    pq.write_table(
-        pa.table({"job_id": ["j"], "rank": ["zero"], "step": [1], "start_ns": [1], "end_ns": [2]}), p
-    )
+    pq.write_table(pa.table({"job_id": ["j"], "rank": ["zero"], "step": [1], "start_ns": [1], "end_ns": [2]}), p)
     with pytest.raises(IngestError, match="column 'rank'"):
         read_parquet(p)
     p.write_bytes(b"PAR1 truncated")

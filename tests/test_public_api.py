@@ -39,9 +39,7 @@ def test_tracing_imports_nothing_heavy():
         "bad = [m for m in ('pyarrow', 'chdb', 'clickhouse_driver', 'click', 'pandas') if m in sys.modules]; "
         "print(','.join(bad))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
 
 

@@ -49,9 +49,7 @@ def test_records_dataclasses(store):
 
 
 def test_write_many_and_aggregation(store):
-    rows = [
-        dict(ROW, rank=r, seq=s, enter_ns=ROW["enter_ns"] + r * 1000 + s) for r in range(4) for s in range(50)
-    ]
+    rows = [dict(ROW, rank=r, seq=s, enter_ns=ROW["enter_ns"] + r * 1000 + s) for r in range(4) for s in range(50)]
     counts = store.write_many({"collectives": to_arrow("collectives", rows), "steps": []})
     assert counts == {"collectives": 200, "steps": 0}
     r = store.query(

@@ -34,9 +34,7 @@ def _segments(root: Path, table: str) -> list[dict]:
 
 
 def _tracer(tmp_path, **kw) -> Tracer:
-    return Tracer(
-        job_id="j", attempt=0, rank=3, world_size=4, spool_dir=str(tmp_path), flush_interval_s=60, **kw
-    )
+    return Tracer(job_id="j", attempt=0, rank=3, world_size=4, spool_dir=str(tmp_path), flush_interval_s=60, **kw)
 
 
 def test_steps_phases_and_spool(tmp_path):
@@ -45,12 +43,7 @@ def test_steps_phases_and_spool(tmp_path):
         pass
     t.shutdown()
     (step,) = _segments(tmp_path, "steps")
-    assert (
-        step["step"] == 7
-        and step["tokens"] == 100
-        and step["loss"] == 0.5
-        and step["end_ns"] > step["start_ns"]
-    )
+    assert step["step"] == 7 and step["tokens"] == 100 and step["loss"] == 0.5 and step["end_ns"] > step["start_ns"]
     phases = _segments(tmp_path, "phases")
     assert [p["phase"] for p in phases] == ["attention", "forward"]  # inner closes first
     assert _segments(tmp_path, "ranks")[0]["rank"] == 3
@@ -157,9 +150,7 @@ def test_real_gloo_job_ledger(tmp_path, embedded_store):
         "WHERE pg NOT LIKE '%/p2p:%' GROUP BY pg, seq HAVING ops > 1 OR sizes > 1"
     )
     assert bad.num_rows == 0, bad.to_pylist()
-    counts = q(
-        "SELECT pg, seq, count() AS n FROM collectives WHERE pg NOT LIKE '%/p2p:%' GROUP BY pg, seq"
-    ).rows()
+    counts = q("SELECT pg, seq, count() AS n FROM collectives WHERE pg NOT LIKE '%/p2p:%' GROUP BY pg, seq").rows()
     for pg, _seq, n in counts:
         assert n == len(groups[pg])
     ops = {op for (op,) in q("SELECT DISTINCT op FROM collectives").rows()}

@@ -73,6 +73,7 @@ def init(
     world_size: int | None = None,
     flush_interval_s: float = 0.5,
     patch_distributed: bool = True,
+    ddp: bool = True,
 ) -> Tracer | None:
     """Start tracing this rank. Call after ``torch.distributed.init_process_group``.
 
@@ -83,6 +84,8 @@ def init(
         spool_dir: local spool root; default ``$RANKLENS_SPOOL`` or ``/tmp/ranklens-spool``.
         rank, world_size: default from torch.distributed (or ``$RANK``/``$WORLD_SIZE``).
         patch_distributed: wrap torch.distributed's collectives to record the arrival ledger.
+        ddp: trace DDP's gradient-bucket all-reduces automatically (a communication hook is
+            registered at each DDP model's first forward unless the user registered their own).
 
     Returns:
         The tracer, or None when disabled by ``RANKLENS_DISABLE=1`` or when setup failed (the
@@ -125,6 +128,10 @@ def init(
                 pg = c10d._get_process_group_name(g)
                 tracer._pg_names[id(g)] = (pg, g)
                 _patch._register_group(tracer, c10d, g, pg)
+            if ddp:
+                from ranklens.tracing import _ddp
+
+                _ddp.patch_ddp(tracer)
         _tracer = tracer
         atexit.register(shutdown)
         os.register_at_fork(after_in_child=tracer._after_fork_in_child)
@@ -142,9 +149,10 @@ def shutdown(timeout_s: float = 5.0) -> None:
         return
     try:
         t.shutdown(timeout_s)
-        from ranklens.tracing import _patch
+        from ranklens.tracing import _ddp, _patch
 
         _patch.unpatch()
+        _ddp.unpatch_ddp()
     except Exception:
         log.exception("ranklens: shutdown failed")
     _tracer = None
@@ -181,6 +189,14 @@ def allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
 
 
 def instrument_ddp(model: Any, process_group: Any = None) -> Any:
-    """Register :func:`allreduce_hook` on a ``DistributedDataParallel`` model; returns it."""
-    model.register_comm_hook(process_group, allreduce_hook)
+    """Register :func:`allreduce_hook` on a ``DistributedDataParallel`` model; returns it.
+
+    Not needed after :func:`init` (which instruments DDP models automatically); calling it
+    anyway is harmless. Never raises: a model that already has a hook is left as it is."""
+    if getattr(model, "_ranklens_user_hook", False):
+        return model
+    try:
+        model.register_comm_hook(process_group or model.process_group, allreduce_hook)
+    except Exception:
+        log.exception("ranklens: could not register the DDP hook; DDP all-reduces go untraced")
     return model

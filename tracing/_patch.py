@@ -98,9 +98,7 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
                         me = tracer.rank
                         src, dst = (me, peer) if p2p == "send" else (peer, me)
                         pg = f"{pg}/p2p:{src}->{dst}"
-                    row = tracer.collective_entered(
-                        pg, tracer.next_seq(pg), name, nbytes, dtype, peer, async_op
-                    )
+                    row = tracer.collective_entered(pg, tracer.next_seq(pg), name, nbytes, dtype, peer, async_op)
             except Exception:
                 tracer.count_drop(f"collectives:{name}:record_error")
                 row = None
@@ -178,9 +176,7 @@ def patch(tracer: Any) -> None:
         if orig is None:
             continue
         orig = getattr(orig, "__ranklens_wrapped__", orig)
-        wrapped = (
-            _wrap_new_group(tracer, orig, c10d) if name == "new_group" else _wrap(tracer, name, orig, c10d)
-        )
+        wrapped = _wrap_new_group(tracer, orig, c10d) if name == "new_group" else _wrap(tracer, name, orig, c10d)
         for mod in (dist, c10d):
             if getattr(mod, name, None) is not None:
                 _originals.setdefault(

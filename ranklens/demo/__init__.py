@@ -177,9 +177,7 @@ def run_demo(
     if failed:
         bad = [r for r, c in codes.items() if c != 0] or list(codes)
         tail = (logs / f"rank{bad[0]}.log").read_text()[-3000:]
-        raise DemoFailed(
-            f"the demo job {failed} (exit codes {codes}); logs in {logs}\n--- rank {bad[0]} ---\n{tail}"
-        )
+        raise DemoFailed(f"the demo job {failed} (exit codes {codes}); logs in {logs}\n--- rank {bad[0]} ---\n{tail}")
     findings = find_stragglers(store, job_id, 0)
     save_findings(store, findings)
     shutil.rmtree(spool, ignore_errors=True)

@@ -40,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
     ddp = DDP(model, bucket_cap_mb=0.25)
-    rlt.instrument_ddp(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(1000 + rank)
 
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                     device_s *= args.slowdown
                 time.sleep(max(0.0, device_s - (time.perf_counter() - t)))
             with rlt.phase("backward"):
-                loss.backward()  # DDP's bucket all-reduces, traced through the comm hook
+                loss.backward()  # DDP bucket all-reduces: traced (init() instruments DDP)
             with rlt.phase("optimizer"):
                 opt.step()
                 opt.zero_grad(set_to_none=True)

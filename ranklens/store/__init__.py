@@ -34,9 +34,7 @@ def open_store(url: str | None = None, *, create: bool = True) -> Store:
     if url.startswith(("clickhouse://", "clickhouses://")):
         from ranklens.store.server import ServerConfig, ServerStore
 
-        return ServerStore(
-            ServerConfig.from_url(url, password_env=os.environ.get(ENV_STORE_PASSWORD)), create=create
-        )
+        return ServerStore(ServerConfig.from_url(url, password_env=os.environ.get(ENV_STORE_PASSWORD)), create=create)
     if url.startswith("embedded:"):
         path = url[len("embedded:") :]
         if path.startswith("//"):

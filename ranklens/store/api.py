@@ -49,9 +49,7 @@ class QueryResult:
     def scalar(self) -> Any:
         """The single value of a one-row, one-column result."""
         if self.num_rows != 1 or self.arrow.num_columns != 1:
-            raise ValueError(
-                f"expected one value, got {self.num_rows} rows x {self.arrow.num_columns} columns"
-            )
+            raise ValueError(f"expected one value, got {self.num_rows} rows x {self.arrow.num_columns} columns")
         return self.arrow.column(0)[0].as_py()
 
 

@@ -111,12 +111,8 @@ class EmbeddedStore:
                     tmp = d / f".empty-{uuid.uuid4().hex}.tmp"
                     pq.write_table(empty_arrow(name), tmp)
                     os.replace(tmp, d / "empty.parquet")
-                self._write_json(
-                    "manifest.json", {"generation": 0, "tables": {n: [] for n in TABLES}, "garbage": []}
-                )
-                self._write_json(
-                    "meta.json", {"schema_version": SCHEMA_VERSION, "created_ns": time.time_ns()}
-                )
+                self._write_json("manifest.json", {"generation": 0, "tables": {n: [] for n in TABLES}, "garbage": []})
+                self._write_json("meta.json", {"schema_version": SCHEMA_VERSION, "created_ns": time.time_ns()})
         except OSError as e:
             raise StoreUnavailable(f"cannot create the embedded store at {self.root}: {e}") from e
 

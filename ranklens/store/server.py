@@ -95,9 +95,7 @@ class ServerStore:
         try:
             import clickhouse_driver  # noqa: F401
         except ImportError as e:  # pragma: no cover
-            raise StoreUnavailable(
-                "the server store needs clickhouse-driver: pip install 'ranklens[store]'"
-            ) from e
+            raise StoreUnavailable("the server store needs clickhouse-driver: pip install 'ranklens[store]'") from e
         self.config = config
         self.url = config.redacted_url()
         self._local = threading.local()
@@ -174,9 +172,7 @@ class ServerStore:
                 time.sleep(delay)
                 delay *= 2
             except ch_errors.ServerException as e:
-                raise StoreError(
-                    f"ClickHouse server {self.url} rejected the query: {e.message.strip()}"
-                ) from e
+                raise StoreError(f"ClickHouse server {self.url} rejected the query: {e.message.strip()}") from e
             except ch_errors.Error as e:
                 raise StoreError(f"ClickHouse client error against {self.url}: {e}") from e
         raise AssertionError("unreachable")  # pragma: no cover
@@ -188,9 +184,7 @@ class ServerStore:
             stmt = "\n".join(line for line in stmt.splitlines() if not line.startswith("--")).strip()
             if stmt:
                 self._execute(stmt, database=False)
-        rows = self._execute(
-            f"SELECT value FROM {self.config.database}.{META_TABLE} WHERE key = 'schema_version'"
-        )
+        rows = self._execute(f"SELECT value FROM {self.config.database}.{META_TABLE} WHERE key = 'schema_version'")
         if not rows:
             self._execute(
                 f"INSERT INTO {self.config.database}.{META_TABLE} (key, value, updated_ns) VALUES",

@@ -1,0 +1,738 @@
+"""PyTorch flight-recorder (FR) dumps: read them safely, map them to the arrival ledger, ingest them.
+
+torch writes one dump per rank: ``torch._C._distributed_c10d._dump_fr_trace()`` (pickle bytes) or
+``_dump_fr_trace_json()`` (JSON text), NCCL's dump-on-timeout names them ``<prefix><rank>``
+(``nccl_trace_rank_3``, ``fr_trace_rank_3.json``). Both formats and both backends are read here:
+
+- **Dumps are untrusted input.** Pickles are loaded by an unpickler that resolves no global at
+  all, so only plain builtins (dict, list, tuple, str, int, float, bool, None, bytes) can come
+  out of it; anything else is refused with :class:`~ranklens.errors.IngestError`.
+- **gloo quirks** (torch 2.13, see tests/data/flight_recorder/PROVENANCE.md): ``pg_config`` is a
+  placeholder (``{'': {'ranks': '[]'}}``), so membership is inferred from which ranks have
+  entries of a process group; ``pg_status`` is keyed by the *local* pg id; ``retired`` is the
+  only progress signal and a *failed* collective is retired too; the ring buffer wraps, so seq
+  ids need not start at 1 and each rank's window differs.
+- **The rank** comes from the dump's own ``rank`` field when it has one (newer torch), else from
+  the trailing digits of the file name, as torch's own loader does.
+
+Mapping to the ``collectives`` table (:func:`to_collective_rows`), one row per non-p2p entry:
+
+==========  ===================================================================================
+pg          the FR process-group *name* (``"0"`` is the default group), the same on every member
+            and the same name ranklens' tracer uses; p2p entries go to ``"<name>/p2p"``
+seq         ``collective_seq_id`` (p2p: ``p2p_seq_id``, a per-rank counter, not per pair)
+op          ``profiling_name`` without its ``gloo:``/``nccl:`` prefix (gloo records
+            ``reduce_scatter_tensor`` as ``all_reduce`` and ``all_gather_into_tensor`` as
+            ``all_gather``: the recorded op is kept)
+nbytes      sum over input tensors of numel x element size (0 when the dtype is unknown)
+dtype       the first input dtype in torch's spelling (``Float`` -> ``float32``)
+step        -1 (FR does not know training steps; the blame analyzer ignores such rows)
+enter_ns    ``time_created_ns`` (CPU time the collective was enqueued)
+start_ns    ``time_discovered_started_ns`` when recorded (NCCL), else 0
+end_ns      ``time_discovered_completed_ns`` when recorded; a retired entry without a time (gloo)
+            gets -1, "ended at an unknown time, possibly failed"; 0 means still in flight
+clock       ``cpu``
+==========  ===================================================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import pickle
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ranklens.errors import IngestError
+from ranklens.store.api import Store
+
+__all__ = [
+    "FRDump",
+    "FREntry",
+    "FRFrame",
+    "FRPGConfig",
+    "FRPGStatus",
+    "ProcessGroupInfo",
+    "infer_job_id",
+    "infer_process_groups",
+    "ingest_flight_recorder",
+    "load_dump",
+    "load_dumps",
+    "parse_dump",
+    "safe_unpickle",
+    "to_collective_rows",
+    "to_process_group_rows",
+]
+
+DEFAULT_PG_DESC = "default_pg"
+# Element sizes of c10 ScalarType names as FR records them, with torch's Python spelling.
+_DTYPES: dict[str, tuple[str, int]] = {
+    "Byte": ("uint8", 1),
+    "Char": ("int8", 1),
+    "Short": ("int16", 2),
+    "Int": ("int32", 4),
+    "Long": ("int64", 8),
+    "Half": ("float16", 2),
+    "Float": ("float32", 4),
+    "Double": ("float64", 8),
+    "ComplexHalf": ("complex32", 4),
+    "ComplexFloat": ("complex64", 8),
+    "ComplexDouble": ("complex128", 16),
+    "Bool": ("bool", 1),
+    "BFloat16": ("bfloat16", 2),
+    "UInt16": ("uint16", 2),
+    "UInt32": ("uint32", 4),
+    "UInt64": ("uint64", 8),
+    "Float8_e5m2": ("float8_e5m2", 1),
+    "Float8_e4m3fn": ("float8_e4m3fn", 1),
+    "Float8_e5m2fnuz": ("float8_e5m2fnuz", 1),
+    "Float8_e4m3fnuz": ("float8_e4m3fnuz", 1),
+}
+_DUMP_NAME = re.compile(r"^(?!\.).*?(\d+)(\.json|\.pkl|\.pickle)?$")
+_ALLOWED = (dict, list, tuple, str, int, float, bool, bytes, type(None))
+
+
+@dataclass(frozen=True, slots=True)
+class FRFrame:
+    """One Python stack frame of the call that issued a collective."""
+
+    name: str
+    filename: str
+    line: int
+
+
+@dataclass(frozen=True, slots=True)
+class FREntry:
+    """One flight-recorder entry: a collective (or p2p op) as one rank issued it."""
+
+    pg_name: str
+    pg_desc: str
+    collective_seq_id: int
+    p2p_seq_id: int
+    op: str
+    profiling_name: str
+    is_p2p: bool
+    input_sizes: tuple[tuple[int, ...], ...]
+    output_sizes: tuple[tuple[int, ...], ...]
+    input_dtypes: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+    retired: bool
+    state: str
+    time_created_ns: int
+    time_started_ns: int = 0
+    time_completed_ns: int = 0
+    record_id: int = -1
+    pg_id: int = -1
+    timeout_ms: int = 0
+    frames: tuple[FRFrame, ...] = ()
+
+    @property
+    def backend(self) -> str:
+        """``gloo``, ``nccl``, ... from the profiling name's prefix ('' when there is none)."""
+        return self.profiling_name.split(":", 1)[0] if ":" in self.profiling_name else ""
+
+
+@dataclass(frozen=True, slots=True)
+class FRPGStatus:
+    """``pg_status`` of one process group, keyed by the rank's *local* pg id (gloo and NCCL)."""
+
+    pg_id: str
+    last_enqueued: int
+    last_started: int
+    last_completed: int
+
+
+@dataclass(frozen=True, slots=True)
+class FRPGConfig:
+    """A ``pg_config`` item; ``ranks`` is empty where the backend does not fill it (gloo)."""
+
+    pg_name: str
+    desc: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FRDump:
+    """One rank's flight-recorder dump. ``entries`` are sorted by ``record_id`` (oldest first)."""
+
+    rank: int
+    version: str
+    entries: tuple[FREntry, ...]
+    pg_status: tuple[FRPGStatus, ...] = ()
+    pg_config: tuple[FRPGConfig, ...] = ()
+    source_path: str = ""
+    format: str = ""
+    comm_lib_version: str = ""
+
+    @property
+    def backend(self) -> str:
+        """The backend named by the entries' profiling names ('' without entries)."""
+        return next((e.backend for e in self.entries if e.backend), "")
+
+    @property
+    def wrapped(self) -> bool:
+        """True when the ring buffer overwrote older entries (the first record id is not 0)."""
+        return bool(self.entries) and self.entries[0].record_id > 0
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessGroupInfo:
+    """A process group across dumps: its members and where that knowledge came from."""
+
+    name: str
+    desc: str
+    members: tuple[int, ...]
+    source: str  # "pg_config", "default group (world)" or "inferred from entries"
+
+
+# ---------------------------------------------------------------------------------------- reading
+
+
+class _NoGlobalsUnpickler(pickle.Unpickler):
+    """Resolves no global: a dump is plain data, a class or function in it is an attack or junk."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(
+            f"refusing to load {module}.{name}: flight-recorder dumps contain only plain builtins "
+            "(dict, list, tuple, str, int, float, bool, None, bytes)"
+        )
+
+
+def safe_unpickle(data: bytes, source: str = "<bytes>") -> Any:
+    """Unpickle ``data`` allowing only dict/list/tuple/str/int/float/bool/None/bytes.
+
+    Args:
+        data: pickle bytes (e.g. ``torch._C._distributed_c10d._dump_fr_trace()``).
+        source: the file the bytes came from, for error messages.
+
+    Returns:
+        The unpickled object.
+
+    Raises:
+        IngestError: truncated or corrupt data, or any other type (a class, a set, a function).
+    """
+    try:
+        obj = _NoGlobalsUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise IngestError(source, "pickle", str(e)) from None
+    except EOFError:
+        raise IngestError(source, "pickle", "truncated: the data ends before the pickle does") from None
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError) as e:
+        raise IngestError(source, "pickle", f"corrupt pickle data ({type(e).__name__}: {e})") from None
+    except MemoryError:
+        raise IngestError(source, "pickle", "corrupt pickle data (asks for more memory than exists)") from None
+    # set/frozenset/bytearray have opcodes of their own: refuse them after the fact. Shared
+    # sub-objects are visited once (a small pickle may reference one list exponentially often).
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if type(x) not in _ALLOWED:
+            raise IngestError(source, "pickle", f"refusing a {type(x).__name__}: dumps contain only plain builtins")
+        if isinstance(x, (dict, list, tuple)):
+            if id(x) in seen:
+                continue
+            seen.add(id(x))
+            stack.extend(x.items() if isinstance(x, dict) else x)
+    return obj
+
+
+def _rank_from_name(path: Path) -> int | None:
+    m = _DUMP_NAME.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def _looks_like_json(path: Path, data: bytes) -> bool:
+    if path.suffix == ".json":
+        return True
+    head = data.lstrip()[:1]
+    return head in (b"{", b"[")
+
+
+def load_dump(path: str | Path, *, rank: int | None = None) -> FRDump:
+    """Read one dump file, pickle or JSON (told apart by a ``.json`` suffix, else by content).
+
+    Args:
+        path: the dump file.
+        rank: the rank, overriding the dump's own field and the file name.
+
+    Returns:
+        The validated dump.
+
+    Raises:
+        IngestError: unreadable, truncated, malformed, or without a way to tell its rank.
+    """
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise IngestError(str(p), "", f"cannot read: {e.strerror or e}") from None
+    if not data:
+        raise IngestError(str(p), "", "empty file (a dump interrupted before it was written?)")
+    if _looks_like_json(p, data):
+        fmt = "json"
+        try:
+            obj = json.loads(data.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise IngestError(str(p), f"byte {e.start}", "not UTF-8 text, so not a JSON dump") from None
+        except json.JSONDecodeError as e:
+            raise IngestError(str(p), f"line {e.lineno} column {e.colno}", f"not valid JSON ({e.msg})") from None
+    else:
+        fmt = "pickle"
+        obj = safe_unpickle(data, str(p))
+    return parse_dump(obj, source_path=str(p), rank=rank, fmt=fmt)
+
+
+def _dump_files(directory: Path) -> list[Path]:
+    return sorted(
+        q
+        for q in directory.rglob("*")
+        if q.is_file() and not any(part.startswith(".") for part in q.relative_to(directory).parts)
+        if _DUMP_NAME.match(q.name)
+    )
+
+
+def load_dumps(paths: str | Path | Sequence[str | Path]) -> list[FRDump]:
+    """Read dumps from files and directories; every file is validated before any is returned.
+
+    A directory contributes, recursively, the files named like dumps: ``<anything><rank>`` with
+    no extension, ``.json``, ``.pkl`` or ``.pickle`` (so ``logs/rank0.log`` or
+    ``ground_truth.json`` next to them are skipped). A file named explicitly is always read.
+
+    Args:
+        paths: one path or several.
+
+    Returns:
+        The dumps, sorted by rank.
+
+    Raises:
+        IngestError: a missing path, no dump found, a malformed dump, or two dumps of one rank
+            (e.g. a directory holding both the pickle and the JSON dumps: point at one of them).
+    """
+    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    files: list[Path] = []
+    for item in map(Path, items):
+        if item.is_dir():
+            found = _dump_files(item)
+            if not found:
+                raise IngestError(str(item), "", "no flight-recorder dumps found (files named <prefix><rank>[.json])")
+            files.extend(found)
+        elif item.exists():
+            files.append(item)
+        else:
+            raise IngestError(str(item), "", "no such file or directory")
+    if not files:
+        raise IngestError("<none>", "", "no flight-recorder dump paths given")
+    by_rank: dict[int, FRDump] = {}
+    for f in files:
+        d = load_dump(f)
+        if d.rank in by_rank:
+            raise IngestError(
+                str(f),
+                "",
+                f"rank {d.rank} already read from {by_rank[d.rank].source_path}; give one dump per rank "
+                "(a folder with both fr_pickle/ and fr_json/ holds each rank twice: point at one)",
+            )
+        by_rank[d.rank] = d
+    return [by_rank[r] for r in sorted(by_rank)]
+
+
+# ---------------------------------------------------------------------------------------- parsing
+
+
+class _Fields:
+    """Typed access to one dict of a dump, raising IngestError that says where and what."""
+
+    def __init__(self, obj: Mapping[str, Any], source: str, where: str) -> None:
+        self.obj, self.source, self.where = obj, source, where
+
+    def fail(self, message: str) -> IngestError:
+        return IngestError(self.source, self.where, message)
+
+    def get(self, key: str, required: bool = True, default: Any = None) -> Any:
+        if key not in self.obj:
+            if required:
+                raise self.fail(f"field {key!r} is missing")
+            return default
+        return self.obj[key]
+
+    def as_int(self, key: str, required: bool = True, default: int = 0) -> int:
+        v = self.get(key, required, default)
+        if v is None:
+            return default
+        if isinstance(v, str):  # JSON dumps write pg_status numbers as strings
+            try:
+                return int(v)
+            except ValueError:
+                raise self.fail(f"field {key!r} must be an integer, got {v!r:.60}") from None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.fail(f"field {key!r} must be an integer, got {type(v).__name__} {v!r:.60}")
+        return v
+
+    def as_str(self, key: str, required: bool = True, default: str = "") -> str:
+        v = self.get(key, required, default)
+        if v is None:
+            return default
+        if not isinstance(v, str):
+            raise self.fail(f"field {key!r} must be a string, got {type(v).__name__} {v!r:.60}")
+        return v
+
+    def as_bool(self, key: str, required: bool = True, default: bool = False) -> bool:
+        v = self.get(key, required, default)
+        if not isinstance(v, bool):
+            raise self.fail(f"field {key!r} must be true or false, got {type(v).__name__} {v!r:.60}")
+        return v
+
+    def sizes(self, key: str) -> tuple[tuple[int, ...], ...]:
+        v = self.get(key, False, [])
+        if not isinstance(v, (list, tuple)) or not all(
+            isinstance(s, (list, tuple)) and all(type(n) is int for n in s) for s in v
+        ):
+            raise self.fail(f"field {key!r} must be a list of shapes (lists of integers), got {v!r:.80}")
+        return tuple(tuple(s) for s in v)
+
+    def strs(self, key: str) -> tuple[str, ...]:
+        v = self.get(key, False, [])
+        if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
+            raise self.fail(f"field {key!r} must be a list of strings, got {v!r:.80}")
+        return tuple(v)
+
+
+def _parse_entry(obj: Any, source: str, i: int) -> FREntry:
+    where = f"entries[{i}]"
+    if not isinstance(obj, dict):
+        raise IngestError(source, where, f"expected a dict, got {type(obj).__name__}")
+    f = _Fields(obj, source, where)
+    pg = f.get("process_group")
+    if not (isinstance(pg, (list, tuple)) and len(pg) == 2 and all(isinstance(x, str) for x in pg)):
+        raise f.fail(f"field 'process_group' must be a (name, desc) pair of strings, got {pg!r:.80}")
+    profiling_name = f.as_str("profiling_name")
+    frames_raw = f.get("frames", False, []) or []
+    if not isinstance(frames_raw, (list, tuple)):
+        raise f.fail(f"field 'frames' must be a list, got {type(frames_raw).__name__}")
+    frames = []
+    for j, fr in enumerate(frames_raw):
+        if not isinstance(fr, dict):
+            raise IngestError(source, f"{where}.frames[{j}]", f"expected a dict, got {type(fr).__name__}")
+        ff = _Fields(fr, source, f"{where}.frames[{j}]")
+        frames.append(FRFrame(ff.as_str("name", False), ff.as_str("filename", False), ff.as_int("line", False)))
+    seq = f.as_int("collective_seq_id")
+    if seq < 0:
+        raise f.fail(f"field 'collective_seq_id' must be >= 0, got {seq}")
+    return FREntry(
+        pg_name=pg[0],
+        pg_desc=pg[1],
+        collective_seq_id=seq,
+        p2p_seq_id=f.as_int("p2p_seq_id", False),
+        op=profiling_name.split(":", 1)[-1],
+        profiling_name=profiling_name,
+        is_p2p=f.as_bool("is_p2p", False),
+        input_sizes=f.sizes("input_sizes"),
+        output_sizes=f.sizes("output_sizes"),
+        input_dtypes=f.strs("input_dtypes"),
+        output_dtypes=f.strs("output_dtypes"),
+        retired=f.as_bool("retired"),
+        state=f.as_str("state", False),
+        time_created_ns=f.as_int("time_created_ns"),
+        # None in pickles, 0 in JSON: both mean "not recorded" (gloo never records them).
+        time_started_ns=f.as_int("time_discovered_started_ns", False),
+        time_completed_ns=f.as_int("time_discovered_completed_ns", False),
+        record_id=f.as_int("record_id", False, i),
+        pg_id=f.as_int("pg_id", False, -1),
+        timeout_ms=f.as_int("timeout_ms", False),
+        frames=tuple(frames),
+    )
+
+
+def _parse_ranks(value: Any) -> tuple[int, ...]:
+    # NCCL writes ranks as the *string* "[0, 1, 2]" (torch's analyzer evals it); never eval input.
+    if isinstance(value, str):
+        value = [int(x) for x in re.findall(r"-?\d+", value)]
+    if not isinstance(value, (list, tuple)) or not all(type(x) is int for x in value):
+        raise TypeError("ranks")
+    return tuple(sorted(set(value)))
+
+
+def parse_dump(obj: Any, *, source_path: str = "<memory>", rank: int | None = None, fmt: str = "") -> FRDump:
+    """Validate an unpickled or JSON-decoded dump and build an :class:`FRDump`.
+
+    Args:
+        obj: the decoded dump (a dict with ``version`` and ``entries``).
+        source_path: where it came from, for error messages and ``FRDump.source_path``.
+        rank: the rank; default: the dump's ``rank`` field, else the file name's trailing digits.
+        fmt: ``pickle`` or ``json``, recorded on the dump.
+
+    Returns:
+        The dump, entries sorted by record id.
+
+    Raises:
+        IngestError: a wrong structure or missing field, naming the entry and the field.
+    """
+    src = source_path
+    if not isinstance(obj, dict):
+        raise IngestError(src, "top level", f"expected a dict with 'version' and 'entries', got {type(obj).__name__}")
+    top = _Fields(obj, src, "top level")
+    version = top.get("version")
+    if not isinstance(version, (str, int, float)) or isinstance(version, bool):
+        raise top.fail(f"field 'version' must be a string, got {version!r:.60}")
+    entries_raw = top.get("entries")
+    if not isinstance(entries_raw, (list, tuple)):
+        raise top.fail(f"field 'entries' must be a list, got {type(entries_raw).__name__}")
+    entries = sorted((_parse_entry(e, src, i) for i, e in enumerate(entries_raw)), key=lambda e: e.record_id)
+
+    status_raw = top.get("pg_status", False, {}) or {}
+    if not isinstance(status_raw, dict):
+        raise top.fail(f"field 'pg_status' must be a dict, got {type(status_raw).__name__}")
+    status = []
+    for key, st in status_raw.items():
+        if not isinstance(st, dict):
+            raise IngestError(src, f"pg_status[{key!r}]", f"expected a dict, got {type(st).__name__}")
+        sf = _Fields(st, src, f"pg_status[{key!r}]")
+        status.append(
+            FRPGStatus(
+                str(key),
+                sf.as_int("last_enqueued_collective", False, -1),
+                sf.as_int("last_started_collective", False, -1),
+                sf.as_int("last_completed_collective", False, -1),
+            )
+        )
+
+    config_raw = top.get("pg_config", False, {}) or {}
+    if not isinstance(config_raw, dict):
+        raise top.fail(f"field 'pg_config' must be a dict, got {type(config_raw).__name__}")
+    config = []
+    for key, cfg in config_raw.items():
+        if not isinstance(cfg, dict):
+            raise IngestError(src, f"pg_config[{key!r}]", f"expected a dict, got {type(cfg).__name__}")
+        cf = _Fields(cfg, src, f"pg_config[{key!r}]")
+        try:
+            ranks = _parse_ranks(cf.get("ranks", False, []))
+        except TypeError:
+            raise cf.fail(f"field 'ranks' must list integers, got {cfg.get('ranks')!r:.80}") from None
+        if key == "" and not ranks:
+            continue  # gloo's placeholder {'': {'name': '', 'desc': '', 'ranks': '[]'}}
+        config.append(FRPGConfig(str(key), cf.as_str("desc", False), ranks))
+
+    if rank is None:
+        own = obj.get("rank")
+        if own is not None:
+            rank = top.as_int("rank")
+        else:
+            rank = _rank_from_name(Path(src))
+    if rank is None:
+        raise IngestError(
+            src,
+            "",
+            "cannot tell the rank: the dump has no 'rank' field and the file name does not end "
+            "in the rank (name it like fr_trace_rank_3 or fr_trace_rank_3.json)",
+        )
+    if rank < 0:
+        raise IngestError(src, "", f"rank must be >= 0, got {rank}")
+    return FRDump(
+        rank=rank,
+        version=str(version),
+        entries=tuple(entries),
+        pg_status=tuple(status),
+        pg_config=tuple(config),
+        source_path=src,
+        format=fmt,
+        comm_lib_version=str(obj.get("comm_lib_version", "") or ""),
+    )
+
+
+# ----------------------------------------------------------------------------- groups and rows
+
+
+def _is_default(name: str, desc: str) -> bool:
+    return desc == DEFAULT_PG_DESC or (name == "0" and not desc)
+
+
+def infer_process_groups(
+    dumps: Sequence[FRDump], world_size: int | None = None
+) -> tuple[dict[str, ProcessGroupInfo], int]:
+    """Members of every process group seen in the dumps, and the world size.
+
+    Members come from ``pg_config`` when it lists ranks (NCCL); the default group holds every
+    rank of the world; otherwise (gloo) the members are the ranks that have entries of the group,
+    so a group whose only other members left no dump looks smaller than it is.
+
+    Args:
+        dumps: the dumps of one job attempt.
+        world_size: the number of ranks, when known; default: the highest rank seen + 1 (a
+            missing dump of the *last* rank is invisible without it).
+
+    Returns:
+        ``({pg name: ProcessGroupInfo}, world size)``.
+    """
+    config: dict[str, FRPGConfig] = {}
+    descs: dict[str, str] = {}
+    seen: dict[str, set[int]] = {}
+    highest = -1
+    for d in dumps:
+        highest = max(highest, d.rank)
+        for c in d.pg_config:
+            config.setdefault(c.pg_name, c)
+            highest = max(highest, -1, *c.ranks)
+        for e in d.entries:
+            descs.setdefault(e.pg_name, e.pg_desc)
+            seen.setdefault(e.pg_name, set()).add(d.rank)
+    world = world_size if world_size is not None else highest + 1
+    groups: dict[str, ProcessGroupInfo] = {}
+    for name in sorted({*seen, *config}, key=lambda s: (len(s), s)):
+        desc = descs.get(name) or (config[name].desc if name in config else "")
+        if name in config and config[name].ranks:
+            groups[name] = ProcessGroupInfo(name, desc, config[name].ranks, "pg_config")
+        elif _is_default(name, desc):
+            groups[name] = ProcessGroupInfo(name, desc, tuple(range(world)), "default group (world)")
+        else:
+            groups[name] = ProcessGroupInfo(name, desc, tuple(sorted(seen[name])), "inferred from entries")
+    return groups, world
+
+
+def _dtype(fr_name: str) -> tuple[str, int]:
+    return _DTYPES.get(fr_name, (fr_name.lower(), 0))
+
+
+def _nbytes(e: FREntry) -> int:
+    total = 0
+    for i, shape in enumerate(e.input_sizes):
+        dt = e.input_dtypes[i] if i < len(e.input_dtypes) else (e.input_dtypes[-1] if e.input_dtypes else "")
+        total += math.prod(shape) * _dtype(dt)[1]
+    return total
+
+
+def to_collective_rows(dumps: Iterable[FRDump], job_id: str, attempt: int = 0) -> list[dict[str, Any]]:
+    """Rows of the ``collectives`` table, one per entry (mapping in the module docstring).
+
+    Args:
+        dumps: the dumps.
+        job_id: the job the rows belong to.
+        attempt: the restart attempt.
+
+    Returns:
+        Dicts keyed by the table's column names.
+    """
+    rows = []
+    for d in dumps:
+        for e in d.entries:
+            if e.time_completed_ns:
+                end = e.time_completed_ns
+            else:
+                end = -1 if e.retired else 0
+            rows.append(
+                {
+                    "job_id": job_id,
+                    "attempt": attempt,
+                    "rank": d.rank,
+                    "pg": f"{e.pg_name}/p2p" if e.is_p2p else e.pg_name,
+                    "seq": e.p2p_seq_id if e.is_p2p else e.collective_seq_id,
+                    "op": e.op,
+                    "nbytes": _nbytes(e),
+                    "dtype": _dtype(e.input_dtypes[0])[0] if e.input_dtypes else "",
+                    "peer": -1,
+                    "step": -1,
+                    "enter_ns": e.time_created_ns,
+                    "start_ns": e.time_started_ns,
+                    "end_ns": end,
+                    "clock": "cpu",
+                    "async_op": 0,
+                }
+            )
+    return rows
+
+
+def to_process_group_rows(
+    dumps: Sequence[FRDump], job_id: str, attempt: int = 0, world_size: int | None = None
+) -> list[dict[str, Any]]:
+    """Rows of the ``process_groups`` table (members as :func:`infer_process_groups` finds them).
+
+    Args:
+        dumps: the dumps.
+        job_id: the job the rows belong to.
+        attempt: the restart attempt.
+        world_size: the number of ranks when known.
+
+    Returns:
+        Dicts keyed by the table's column names.
+    """
+    groups, _ = infer_process_groups(dumps, world_size)
+    backend = next((d.backend for d in dumps if d.backend), "")
+    return [
+        {
+            "job_id": job_id,
+            "attempt": attempt,
+            "pg": g.name,
+            "name": g.desc,
+            "backend": backend,
+            "ranks": list(g.members),
+            "created_ns": 0,
+        }
+        for g in groups.values()
+    ]
+
+
+def infer_job_id(dumps: Sequence[FRDump]) -> str:
+    """A stable job id for dumps that came without one: ``fr-<UTC time of the first entry>-<hash>``.
+
+    The same dumps always give the same id, so ingesting them twice lands in one job.
+
+    Args:
+        dumps: the dumps.
+
+    Returns:
+        The id.
+    """
+    h = hashlib.sha1()
+    first = 0
+    for d in sorted(dumps, key=lambda d: d.rank):
+        h.update(f"{d.rank}:{len(d.entries)}".encode())
+        for e in d.entries[:1] + d.entries[-1:]:
+            h.update(f":{e.record_id}:{e.time_created_ns}".encode())
+            first = e.time_created_ns if not first else min(first, e.time_created_ns)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(first / 1e9)) if first else "unknown"
+    return f"fr-{stamp}-{h.hexdigest()[:6]}"
+
+
+def ingest_flight_recorder(
+    store: Store,
+    paths: str | Path | Sequence[str | Path],
+    job_id: str | None = None,
+    *,
+    attempt: int = 0,
+    world_size: int | None = None,
+) -> dict[str, int]:
+    """Read and validate every dump, then write ``collectives`` and ``process_groups`` at once.
+
+    Args:
+        store: where to write.
+        paths: dump files and/or directories (see :func:`load_dumps`).
+        job_id: the job; default: :func:`infer_job_id` of the dumps.
+        attempt: the restart attempt.
+        world_size: the number of ranks, when known (membership of the default group).
+
+    Returns:
+        Rows written per table.
+
+    Raises:
+        IngestError: a malformed dump; nothing was written.
+    """
+    import pyarrow as pa
+
+    from ranklens.records import to_arrow
+
+    dumps = load_dumps(paths)
+    job = job_id or infer_job_id(dumps)
+    parts = []
+    for d in dumps:
+        try:
+            parts.append(to_arrow("collectives", to_collective_rows([d], job, attempt)))
+        except ValueError as e:  # e.g. a value beyond Int64 in a corrupt dump
+            raise IngestError(d.source_path, "collectives", str(e)) from None
+    groups = to_arrow("process_groups", to_process_group_rows(dumps, job, attempt, world_size))
+    return store.write_many({"collectives": pa.concat_tables(parts), "process_groups": groups})

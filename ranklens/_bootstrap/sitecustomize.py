@@ -1,0 +1,88 @@
+"""ranklens' zero-code bootstrap, put on PYTHONPATH by ``ranklens run``.
+
+It imports nothing heavy. It installs an import hook that waits for
+``torch.distributed.distributed_c10d`` to be imported and then wraps ``init_process_group`` so that
+``ranklens.tracing.init()`` runs right after the process group exists. Processes that never
+initialise a process group (the torchrun launcher, pip, ...) are left alone. It then runs the
+``sitecustomize`` module it shadows, if there is one. ``RANKLENS_DISABLE=1`` turns it off.
+"""
+
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+_TARGET = "torch.distributed.distributed_c10d"
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _patch_c10d(mod):
+    orig = mod.init_process_group
+    if getattr(orig, "__ranklens_wrapped__", None):
+        return
+
+    @functools.wraps(orig)
+    def init_process_group(*args, **kwargs):
+        result = orig(*args, **kwargs)
+        try:
+            import ranklens.tracing as rlt
+
+            rlt.init()
+        except Exception:  # tracing never breaks training
+            import logging
+
+            logging.getLogger("ranklens.tracing").exception("ranklens: automatic tracing failed to start")
+        return result
+
+    init_process_group.__ranklens_wrapped__ = orig  # type: ignore[attr-defined]
+    mod.init_process_group = init_process_group
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        try:
+            _patch_c10d(module)
+        except Exception:
+            pass
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _TARGET:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+def _chain_shadowed_sitecustomize():
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None and os.path.dirname(spec.origin or "") != _HERE:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+if os.environ.get("RANKLENS_DISABLE", "").lower() not in ("1", "true", "yes"):
+    if _TARGET in sys.modules:
+        _patch_c10d(sys.modules[_TARGET])
+    else:
+        sys.meta_path.insert(0, _Finder())
+try:
+    _chain_shadowed_sitecustomize()
+except Exception as e:  # their sitecustomize failing must look like it would without us
+    print(f"ranklens: the shadowed sitecustomize raised {e!r}", file=sys.stderr)
