@@ -27,7 +27,7 @@ __all__ = [
     "table",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCALARS = {"Int32", "Int64", "UInt8", "UInt32", "UInt64", "Float64", "String"}
 
@@ -276,11 +276,19 @@ _table(
         *_job(),
         _c("ts_ns", "Int64", "heartbeat time", required=True),
         _c("pid", "Int32", "process id"),
+        _c("host", "String", "host (node) name"),
         _c("step", "Int64", "last step started", default=-1),
-        _c("phase", "String", "phase in progress"),
-        _c("last_pg", "String", "pg of the last collective entered"),
-        _c("last_seq_entered", "Int64", "seq of the last collective entered", default=-1),
-        _c("last_seq_completed", "Int64", "seq of the last collective completed", default=-1),
+        _c("phase", "String", "phase in progress ('' none)"),
+        _c("phase_start_ns", "Int64", "when the phase in progress started (0 none)"),
+        _c("last_progress_ns", "Int64", "last collective completion or step end on this rank (0 none yet)"),
+        _c("pgs", "Array(String)", "process groups this rank used (parallel to the next two)"),
+        _c("pg_entered", "Array(Int64)", "per pg: seq of the last collective entered"),
+        _c("pg_completed", "Array(Int64)", "per pg: highest seq completed"),
+        _c("pending_pgs", "Array(String)", "collectives in flight on this rank: pg (parallel arrays)"),
+        _c("pending_seqs", "Array(Int64)", "in flight: seq"),
+        _c("pending_ops", "Array(String)", "in flight: op"),
+        _c("pending_nbytes", "Array(Int64)", "in flight: bytes"),
+        _c("pending_enter_ns", "Array(Int64)", "in flight: arrival time"),
     ],
     ("job_id", "attempt", "rank", "ts_ns"),
     "one row per rank x heartbeat interval",

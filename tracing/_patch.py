@@ -105,6 +105,13 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
         _inside.depth = 1
         try:
             result = fn(*args, **kwargs)
+        except BaseException:
+            if row is not None:
+                try:
+                    tracer.collective_failed(row)
+                except Exception:
+                    pass
+            raise
         finally:
             _inside.depth = 0
         if row is not None:

@@ -66,9 +66,12 @@ class Tracer:
         self._step = -1
         self._phase = ""
         self._seq: dict[str, int] = {}
-        self._last_pg = ""
-        self._last_entered = -1
-        self._last_completed = -1
+        self._entered: dict[str, int] = {}
+        self._completed: dict[str, int] = {}
+        self._inflight: dict[tuple[str, int], dict[str, Any]] = {}
+        self._phase_start = 0
+        self._last_progress = 0
+        self._host = socket.gethostname()
         self._pg_names: dict[int, tuple[str, Any]] = {}
         self._interval = flush_interval_s
         self._stop = threading.Event()
@@ -114,21 +117,7 @@ class Tracer:
                 return
             rows = self._take()
             now = self.clock()
-            rows.append(
-                (
-                    "heartbeats",
-                    {
-                        **self._ident,
-                        "ts_ns": now,
-                        "pid": self._pid,
-                        "step": self._step,
-                        "phase": self._phase,
-                        "last_pg": self._last_pg,
-                        "last_seq_entered": self._last_entered,
-                        "last_seq_completed": self._last_completed,
-                    },
-                )
-            )
+            rows.append(("heartbeats", self._heartbeat(now)))
             for what, n in (self._drops - self._drops_reported).items():
                 rows.append(
                     (
@@ -154,6 +143,29 @@ class Tracer:
                 except OSError:
                     self._drops[f"{table}:spool_write_failed"] += len(trows)
                     log.exception("ranklens: cannot write the spool under %s", self.spool_dir)
+
+    def _heartbeat(self, now: int) -> dict[str, Any]:
+        """Where this rank is now: step, phase, per-group progress and what is in flight."""
+        pgs = list(self._entered)
+        inflight = list(self._inflight.values())  # copied: completions run on other threads
+        return {
+            **self._ident,
+            "ts_ns": now,
+            "pid": self._pid,
+            "host": self._host,
+            "step": self._step,
+            "phase": self._phase,
+            "phase_start_ns": self._phase_start,
+            "last_progress_ns": self._last_progress,
+            "pgs": pgs,
+            "pg_entered": [self._entered.get(p, -1) for p in pgs],
+            "pg_completed": [self._completed.get(p, -1) for p in pgs],
+            "pending_pgs": [r["pg"] for r in inflight],
+            "pending_seqs": [r["seq"] for r in inflight],
+            "pending_ops": [r["op"] for r in inflight],
+            "pending_nbytes": [r["nbytes"] for r in inflight],
+            "pending_enter_ns": [r["enter_ns"] for r in inflight],
+        }
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -201,6 +213,7 @@ class Tracer:
         finally:
             try:
                 row = {**self._ident, "step": n, "start_ns": start, "end_ns": self.clock()}
+                self._last_progress = row["end_ns"]
                 for k in ("samples", "tokens", "loss", "grad_norm"):
                     if info.get(k) is not None:
                         row[k] = float(info[k]) if k in ("loss", "grad_norm") else int(info[k])
@@ -212,12 +225,12 @@ class Tracer:
     def phase(self, name: str) -> Iterator[None]:
         """Time a phase (data, forward, backward, optimizer, or any name) of the current step."""
         start = self.clock()
-        outer = self._phase
-        self._phase = name
+        outer, outer_start = self._phase, self._phase_start
+        self._phase, self._phase_start = name, start
         try:
             yield
         finally:
-            self._phase = outer
+            self._phase, self._phase_start = outer, outer_start
             try:
                 self.add(
                     "phases",
@@ -241,9 +254,7 @@ class Tracer:
     def collective_entered(
         self, pg: str, seq: int, op: str, nbytes: int, dtype: str, peer: int, async_op: bool
     ) -> dict[str, Any]:
-        self._last_pg = pg
-        self._last_entered = seq
-        return {
+        row = {
             **self._ident,
             "pg": pg,
             "seq": seq,
@@ -255,10 +266,23 @@ class Tracer:
             "enter_ns": self.clock(),
             "async_op": int(async_op),
         }
+        self._entered[pg] = seq
+        self._inflight[(pg, seq)] = row
+        return row
 
     def collective_completed(self, row: dict[str, Any]) -> None:
         row["end_ns"] = self.clock()
-        self._last_completed = row["seq"]
+        pg, seq = row["pg"], row["seq"]
+        self._inflight.pop((pg, seq), None)
+        if seq > self._completed.get(pg, -1):
+            self._completed[pg] = seq
+        self._last_progress = row["end_ns"]
+        self.add("collectives", row)
+
+    def collective_failed(self, row: dict[str, Any]) -> None:
+        """The call raised (timeout, peer gone): it is no longer in flight; keep its arrival."""
+        self._inflight.pop((row["pg"], row["seq"]), None)
+        row["end_ns"] = -1
         self.add("collectives", row)
 
     def watch(self, work: Any, row: dict[str, Any], max_pending: int = 10_000) -> None:

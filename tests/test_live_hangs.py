@@ -1,0 +1,135 @@
+"""Live hang detection on real gloo jobs with injected faults, before gloo's own timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ranklens.analyzers.live_hangs import HangConfig, detect_live_hangs
+from ranklens.collector import Shipper
+
+pytestmark = pytest.mark.e2e
+SCRIPT = Path(__file__).with_name("hang_job.py")
+FAST = HangConfig(min_stall_s=2.0, heartbeat_stale_s=2.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    def __init__(self, tmp_path: Path, mode: str, *, world: int = 4, rank: int = 1, step: int = 3, **extra: str):
+        self.spool = tmp_path / "spool"
+        self.marker = tmp_path / "fault"
+        self.job_id = f"hang-{mode}"
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
+               "RANKLENS_SPOOL": str(self.spool), "RANKLENS_JOB_ID": self.job_id, "OMP_NUM_THREADS": "1",
+               "HANG_MODE": mode, "HANG_RANK": str(rank), "HANG_STEP": str(step), "HANG_MARKER": str(self.marker),
+               **extra}  # fmt: skip
+        self.logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(world)]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT)], env={**env, "RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT
+            )
+            for r, log in enumerate(self.logs)
+        ]
+
+    def exit_codes(self) -> dict[int, int]:
+        return {r: p.returncode for r, p in enumerate(self.procs) if p.poll() is not None}
+
+    def watch(self, store, *, timeout_s: float = 40.0, config: HangConfig = FAST, want=lambda fs: bool(fs)):
+        """Ship and analyze every 0.5 s until ``want(findings)``; returns (findings, latency_s)."""
+        shipper = Shipper(self.spool, store)
+        deadline = time.time() + timeout_s
+        findings: list = []
+        while time.time() < deadline:
+            shipper.ship_once()
+            findings = detect_live_hangs(store, self.job_id, config=config, exit_codes=self.exit_codes())
+            if want(findings):
+                onset = int(self.marker.read_text()) if self.marker.exists() else time.time_ns()
+                return findings, (time.time_ns() - onset) / 1e9
+            time.sleep(0.5)
+        return findings, None
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in self.logs:
+            log.close()
+
+
+@pytest.fixture
+def job(tmp_path):
+    jobs = []
+
+    def start(mode: str, **kw):
+        j = Job(tmp_path, mode, **kw)
+        jobs.append(j)
+        return j
+
+    yield start
+    for j in jobs:
+        j.kill()
+
+
+def test_sleeping_rank_is_named_before_the_gloo_timeout(job, embedded_store):
+    j = job("sleep", rank=2, step=3)
+    findings, latency = j.watch(embedded_store)
+    assert latency is not None, "no hang finding within 40 s (gloo's timeout is 120 s)"
+    (f,) = [f for f in findings if f.kind == "hang"]
+    assert [s.rank for s in f.suspects] == [2]
+    ev = f.evidence
+    assert ev["pg"] == "0" and ev["missing"] == [2] and ev["in_flight"] == [0, 1, 3]
+    assert ev["cause"] == "never_arrived" and ev["last_activity"]["phase"] == "data"
+    assert ev["action"] == "restart_rank"
+    assert "rank 2 never entered all_reduce" in f.title
+    assert latency < 10
+
+
+def test_exited_rank_is_named_as_crashed(job, embedded_store):
+    j = job("exit", rank=1, step=10)
+    findings, latency = j.watch(
+        embedded_store, want=lambda fs: any(f.kind == "crash" and f.evidence.get("exit_code") is not None for f in fs)
+    )
+    assert latency is not None
+    (f,) = [f for f in findings if f.kind == "crash"]
+    assert [s.rank for s in f.suspects] == [1]
+    assert f.evidence["exit_code"] == 3 and "exited with code 3" in f.title
+
+
+def test_desync_names_both_ops(job, embedded_store):
+    j = job("desync", rank=3, step=2)
+    findings, latency = j.watch(embedded_store, want=lambda fs: any(f.kind == "desync" for f in fs))
+    assert latency is not None
+    (f,) = [f for f in findings if f.kind == "desync"]
+    assert [s.rank for s in f.suspects] == [3]
+    assert "broadcast" in f.title and "all_reduce" in f.title
+
+
+def test_hang_in_a_subgroup_names_the_origin_group(job, embedded_store):
+    j = job("subgroup", rank=3, step=3)
+    findings, latency = j.watch(embedded_store)
+    assert latency is not None
+    (f,) = [f for f in findings if f.kind == "hang"]
+    assert [s.rank for s in f.suspects] == [3]
+    assert f.evidence["origin_group"] == "pair_1" and f.evidence["missing"] == [3]
+    assert [c["group"] for c in f.evidence["cascade"]] == ["default_pg"]
+
+
+def test_slow_job_is_not_a_hung_job(job, embedded_store):
+    # every step takes ~1 s and rank 1 keeps the others waiting 0.4 s in each all_reduce: collectives are
+    # "in flight" for a while every step, but never for 5 median steps
+    j = job("slow", rank=1, step=-1, HANG_STEPS="8")
+    config = HangConfig(min_stall_s=0.2, heartbeat_stale_s=3.0)
+    findings, _ = j.watch(embedded_store, timeout_s=9, config=config)
+    assert findings == []
