@@ -235,6 +235,19 @@ def _print_findings(findings: list[Any]) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help='Print {"findings": [...]} as one JSON object.')
 @click.option("--no-save", is_flag=True, help="Do not write the findings to the store.")
+@click.option(
+    "--follow",
+    is_flag=True,
+    help="Keep analyzing the (live) job; print findings as they open, change "
+    "and resolve (JSON Lines with --json). Stop with Ctrl-C.",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(0.1, 3600),
+    default=2.0,
+    show_default=True,
+    help="Seconds between passes with --follow.",
+)
 @_errors
 def analyze(
     store_url: str | None,
@@ -244,10 +257,13 @@ def analyze(
     world_size: int | None,
     as_json: bool,
     no_save: bool,
+    follow: bool,
+    interval: float,
 ) -> None:
-    """Analyze a job in the store (stragglers) or flight-recorder dumps (hangs, crashes, desyncs)
-    and print its findings."""
-    from ranklens.analyzers import find_stragglers, latest_job, save_findings
+    """Analyze a job in the store (stragglers; hangs, crashes and desyncs while it runs) or
+    flight-recorder dumps (post-mortem), and print its findings."""
+    from ranklens.analyzers import latest_job, save_findings
+    from ranklens.analyzers.job import analyze_job
 
     if fr_dir is not None:
         _analyze_flight_recorder(store_url, fr_dir, job_id, attempt or 0, world_size, as_json, no_save)
@@ -268,7 +284,10 @@ def analyze(
                 '`ranklens sql "SELECT DISTINCT job_id FROM steps"` lists the jobs'
             )
         attempt = int(top)
-    findings = find_stragglers(store, job_id, attempt)
+    if follow:
+        _follow(store, job_id, attempt, as_json=as_json, save=not no_save, interval=interval)
+        return
+    findings = analyze_job(store, job_id, attempt)
     if not no_save:
         save_findings(store, findings)
     if as_json:
@@ -281,6 +300,33 @@ def analyze(
         return
     click.echo(f"job {job_id} attempt {attempt}")
     _print_findings(findings)
+
+
+def _follow(store: Any, job_id: str, attempt: int, *, as_json: bool, save: bool, interval: float) -> None:
+    import time
+
+    from ranklens.analyzers import save_findings
+    from ranklens.analyzers.job import FindingTracker, analyze_job
+
+    tracker = FindingTracker()
+    if not as_json:
+        click.echo(f"following job {job_id} attempt {attempt} every {interval:g} s (Ctrl-C to stop)", err=True)
+    try:
+        while True:
+            update = tracker.update(analyze_job(store, job_id, attempt))
+            changed = update.all()
+            if save and changed:
+                save_findings(store, changed)
+            for event, items in (("new", update.new), ("changed", update.changed), ("resolved", update.resolved)):
+                for f in items:
+                    if as_json:
+                        click.echo(json.dumps({"event": event, "finding": f.to_json()}, default=_json_default))
+                    else:
+                        stamp = time.strftime("%H:%M:%S")
+                        click.echo(f"{stamp} {event:8s} [{f.severity.value.upper()}] {f.kind}: {f.title}")
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return
 
 
 def _analyze_flight_recorder(

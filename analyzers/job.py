@@ -1,0 +1,73 @@
+"""All analyzers over one job, once or continuously, with stable finding identity.
+
+:func:`analyze_job` runs the straggler analysis and live hang detection over a job in the store.
+:class:`FindingTracker` turns successive passes into events: a finding is *new* the first time its
+id appears, *changed* when its title, severity or state changes, and *resolved* when it stops
+appearing (the behaviour stopped); the same ongoing problem keeps one id and updates one finding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from ranklens.analyzers.detectors import StragglerDetector
+from ranklens.analyzers.findings import Finding
+from ranklens.analyzers.live_hangs import HangConfig, detect_live_hangs
+from ranklens.analyzers.straggler import find_stragglers
+from ranklens.store.api import Store
+
+__all__ = ["FindingTracker", "Update", "analyze_job"]
+
+
+def analyze_job(
+    store: Store,
+    job_id: str,
+    attempt: int = 0,
+    *,
+    detector: StragglerDetector | None = None,
+    hang_config: HangConfig | None = None,
+    now_ns: int | None = None,
+) -> list[Finding]:
+    """Every finding of one job attempt: hangs/crashes/desyncs first, then stragglers by impact."""
+    hangs = detect_live_hangs(store, job_id, attempt, config=hang_config, now_ns=now_ns)
+    return hangs + find_stragglers(store, job_id, attempt, detector=detector)
+
+
+@dataclass
+class Update:
+    new: list[Finding] = field(default_factory=list)
+    changed: list[Finding] = field(default_factory=list)
+    resolved: list[Finding] = field(default_factory=list)
+
+    def all(self) -> list[Finding]:
+        return self.new + self.changed + self.resolved
+
+
+class FindingTracker:
+    """Remembers the open findings between passes (one per id)."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, Finding] = {}
+
+    def update(self, findings: list[Finding]) -> Update:
+        u = Update()
+        seen = set()
+        for f in findings:
+            seen.add(f.id)
+            old = self.open.get(f.id)
+            if old is None:
+                if f.state != "resolved":
+                    u.new.append(f)
+            elif (old.title, old.severity, old.state) != (f.title, f.severity, f.state):
+                u.changed.append(f)
+            if f.state == "resolved":
+                self.open.pop(f.id, None)
+            else:
+                self.open[f.id] = f
+        for fid in list(self.open):
+            if fid not in seen:
+                gone = dataclasses.replace(self.open.pop(fid), state="resolved", updated_ns=time.time_ns())
+                u.resolved.append(gone)
+        return u
