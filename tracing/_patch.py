@@ -43,6 +43,9 @@ _originals: dict[tuple[Any, str], Any] = {}
 _inside = threading.local()
 
 
+_DTYPES: dict[Any, str] = {}
+
+
 def _nbytes(x: Any) -> tuple[int, str]:
     if x is None:
         return 0, ""
@@ -53,7 +56,11 @@ def _nbytes(x: Any) -> tuple[int, str]:
             total += n
         return total, dtype
     try:
-        return int(x.numel()) * int(x.element_size()), str(x.dtype).removeprefix("torch.")
+        dt = x.dtype
+        name = _DTYPES.get(dt)
+        if name is None:
+            name = _DTYPES[dt] = str(dt).removeprefix("torch.")
+        return x.numel() * x.element_size(), name
     except Exception:
         return 0, ""
 
@@ -62,8 +69,22 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
     arg_name, p2p = _OPS[name]
     sig = inspect.signature(fn)
     dist = c10d
+    # inspect.Signature.bind costs microseconds per call: resolve arguments by position instead
+    index = {n: i for i, n in enumerate(sig.parameters)}
+    defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    world: list[Any] = []  # the default group's (name, group), resolved once
+
+    def arg(args: tuple[Any, ...], kwargs: dict[str, Any], key: str) -> Any:
+        if key in kwargs:
+            return kwargs[key]
+        i = index.get(key)
+        if i is not None and i < len(args):
+            return args[i]
+        return defaults.get(key)
 
     def pg_info(group: Any) -> tuple[str, Any]:
+        if group is None and world:
+            return world[0]
         g = group if group is not None else dist._get_default_group()
         cached = tracer._pg_names.get(id(g))
         if cached is None:
@@ -71,6 +92,8 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
             cached = (pg, g)
             tracer._pg_names[id(g)] = cached
             _register_group(tracer, dist, g, pg)
+        if group is None:
+            world.append(cached)
         return cached
 
     @functools.wraps(fn)
@@ -80,18 +103,16 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
             return fn(*args, **kwargs)
         if tracer.enabled:
             try:
-                bound = sig.bind(*args, **kwargs)
-                a = bound.arguments
-                group = a.get("group")
+                group = arg(args, kwargs, "group")
                 if group is None or not dist._rank_not_in_group(group):
                     pg, g = pg_info(group)
-                    nbytes, dtype = _nbytes(a.get(arg_name)) if arg_name else (0, "")
-                    async_op = bool(a.get("async_op", False)) or name in ("isend", "irecv")
+                    nbytes, dtype = _nbytes(arg(args, kwargs, arg_name)) if arg_name else (0, "")
+                    async_op = bool(arg(args, kwargs, "async_op")) or name in ("isend", "irecv")
                     peer = -1
                     if p2p is not None:
-                        peer_arg = a.get("dst" if p2p == "send" else "src")
+                        peer_arg = arg(args, kwargs, "dst" if p2p == "send" else "src")
                         if peer_arg is None:  # given as a rank within the group
-                            group_peer = a.get("group_dst" if p2p == "send" else "group_src")
+                            group_peer = arg(args, kwargs, "group_dst" if p2p == "send" else "group_src")
                             if group_peer is not None:
                                 peer_arg = dist.get_global_rank(g, int(group_peer))
                         peer = int(peer_arg) if peer_arg is not None else -1

@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slowdown", type=float, default=1.0)
     p.add_argument("--slow-from-step", type=int, default=0)
     p.add_argument("--compute-ms", type=float, default=60.0)
+    p.add_argument("--report-steps", action="store_true", help="rank 0 prints 'steptime <seconds>' per step")
     args = p.parse_args(argv)
 
     import torch
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1000 + rank)
 
     for step in range(args.steps):
+        step_start = time.perf_counter()
         with rlt.step(step, samples=32):
             with rlt.phase("data"):
                 x = torch.randn(32, 64, generator=gen)
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 metric = loss.detach().reshape(1)
                 dist.all_reduce(metric, group=my_pair)
         if rank == 0:
+            if args.report_steps:
+                print(f"steptime {time.perf_counter() - step_start:.6f}", flush=True)
             print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
 
     dist.barrier()
