@@ -79,7 +79,7 @@ def micro(calls: int) -> None:
 
     from ranklens.tracing import _patch
 
-    def noop(tensor, op=None, group=None, async_op=False):  # noqa: ARG001
+    def noop(tensor, op=None, group=None, async_op=False):
         return None
 
     wrapped = _patch._wrap(tracer, "all_reduce", noop, c10d)
