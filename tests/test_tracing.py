@@ -181,3 +181,21 @@ def test_real_gloo_job_ledger(tmp_path, embedded_store):
     assert [r for _, r, _ in last] == [1, 1, 1] and all(ms >= 40 for *_, ms in last)
     steps = q("SELECT rank, count() FROM steps GROUP BY rank ORDER BY rank").rows()
     assert steps == [(r, 3) for r in range(world)]
+
+
+def test_phase_as_decorator_applied_before_init(tmp_path):
+    import ranklens.tracing as rlt
+
+    @rlt.phase("forward")
+    def forward(x):
+        return x * 2
+
+    assert forward(2) == 4  # no tracer yet: a no-op
+    rlt.init(job_id="j", spool_dir=str(tmp_path), rank=0, world_size=1, patch_distributed=False)
+    try:
+        with rlt.step(0):
+            assert forward(3) == 6
+            assert forward(4) == 8
+    finally:
+        rlt.shutdown()
+    assert [p["phase"] for p in _segments(tmp_path, "phases")] == ["forward", "forward"]

@@ -164,10 +164,23 @@ def step(n: int, **info: Any) -> contextlib.AbstractContextManager[None]:
     return t.step(n, **info) if t is not None and t.enabled else contextlib.nullcontext()
 
 
-def phase(name: str) -> contextlib.AbstractContextManager[None]:
-    """``with phase("forward"):`` times a phase of the current step (a no-op when off)."""
-    t = _tracer
-    return t.phase(name) if t is not None and t.enabled else contextlib.nullcontext()
+class phase(contextlib.ContextDecorator):  # used like a function: rl.phase("forward")
+    """Times a phase of the current step, as ``with phase("forward"):`` or as a decorator
+    ``@phase("forward")``. The tracer is looked up when the phase starts, so a decorator applied
+    before :func:`init` still records; a no-op while tracing is off."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cms: list[contextlib.AbstractContextManager[None]] = []
+
+    def __enter__(self) -> None:
+        t = _tracer
+        cm = t.phase(self.name) if t is not None and t.enabled else contextlib.nullcontext()
+        self._cms.append(cm)  # a stack: the same decorated function may recurse
+        cm.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool:
+        return bool(self._cms.pop().__exit__(*exc))
 
 
 def allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
