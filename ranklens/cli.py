@@ -248,6 +248,33 @@ def _print_findings(findings: list[Any]) -> None:
     show_default=True,
     help="Seconds between passes with --follow.",
 )
+@click.option(
+    "--act",
+    is_flag=True,
+    help="Hand the findings to the recovery policy (webhooks, hooks); the policy "
+    "is dry-run unless it says otherwise. Needs --policy.",
+)
+@click.option(
+    "--policy",
+    "policy_file",
+    type=click.Path(exists=True, dir_okay=False),
+    envvar="RANKLENS_POLICY",
+    default=None,
+    help="Recovery policy file (TOML, docs/recovery.md). Env: RANKLENS_POLICY.",
+)
+@click.option(
+    "--outbox",
+    "outbox_dir",
+    envvar="RANKLENS_OUTBOX",
+    default=None,
+    help="Durable webhook outbox directory (default: ~/.ranklens/outbox). Env: RANKLENS_OUTBOX.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="With --follow: serve the findings as Prometheus metrics on this port (0: any free port).",
+)
 @_errors
 def analyze(
     store_url: str | None,
@@ -259,11 +286,20 @@ def analyze(
     no_save: bool,
     follow: bool,
     interval: float,
+    act: bool,
+    policy_file: str | None,
+    outbox_dir: str | None,
+    metrics_port: int | None,
 ) -> None:
     """Analyze a job in the store (stragglers; hangs, crashes and desyncs while it runs) or
     flight-recorder dumps (post-mortem), and print its findings."""
     from ranklens.analyzers import latest_job, save_findings
     from ranklens.analyzers.job import analyze_job
+
+    if act and not policy_file:
+        raise click.UsageError("--act needs --policy FILE (or RANKLENS_POLICY)")
+    if metrics_port is not None and not follow:
+        raise click.UsageError("--metrics-port goes with --follow")
 
     if fr_dir is not None:
         _analyze_flight_recorder(store_url, fr_dir, job_id, attempt or 0, world_size, as_json, no_save)
@@ -284,39 +320,86 @@ def analyze(
                 '`ranklens sql "SELECT DISTINCT job_id FROM steps"` lists the jobs'
             )
         attempt = int(top)
-    if follow:
-        _follow(store, job_id, attempt, as_json=as_json, save=not no_save, interval=interval)
-        return
-    findings = analyze_job(store, job_id, attempt)
-    if not no_save:
-        save_findings(store, findings)
-    if as_json:
-        click.echo(
-            json.dumps(
-                {"job_id": job_id, "attempt": attempt, "findings": [f.to_json() for f in findings]},
-                default=_json_default,
-            )
+    engine = _engine(policy_file, store, outbox_dir) if act else None
+    try:
+        if follow:
+            _follow(store, job_id, attempt, as_json=as_json, save=not no_save, interval=interval, engine=engine,
+                    metrics_port=metrics_port)  # fmt: skip
+            return
+        findings = analyze_job(store, job_id, attempt)
+        if not no_save:
+            save_findings(store, findings)
+        report = engine.process(findings) if engine is not None else None
+        if as_json:
+            out: dict[str, Any] = {"job_id": job_id, "attempt": attempt, "findings": [f.to_json() for f in findings]}
+            if report is not None:
+                out["recovery"] = report.to_json()
+            click.echo(json.dumps(out, default=_json_default))
+            return
+        click.echo(f"job {job_id} attempt {attempt}")
+        _print_findings(findings)
+        if report is not None:
+            _print_report(report)
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def _engine(policy_file: str | None, store: Any, outbox_dir: str | None) -> Any:
+    import os
+
+    from ranklens.analyzers.recovery import Engine, load_policy
+
+    if not policy_file:
+        raise click.UsageError("needs --policy FILE (or RANKLENS_POLICY)")
+    outbox = outbox_dir or os.path.join(os.path.expanduser("~"), ".ranklens", "outbox")
+    return Engine(load_policy(policy_file), store, outbox)
+
+
+def _print_report(report: Any) -> None:
+    data = report.to_json()
+    decisions = data.get("decisions", [])
+    click.echo(f"\nRecovery ({len(decisions)} decision(s)):")
+    for d in decisions:
+        summary = ", ".join(
+            f"{k}={v}" for k, v in d.items() if k in ("level", "target", "dry_run", "outcome", "reason")
         )
-        return
-    click.echo(f"job {job_id} attempt {attempt}")
-    _print_findings(findings)
+        click.echo(f"  {summary}")
 
 
-def _follow(store: Any, job_id: str, attempt: int, *, as_json: bool, save: bool, interval: float) -> None:
+def _follow(
+    store: Any, job_id: str, attempt: int, *, as_json: bool, save: bool, interval: float, engine: Any = None,
+    metrics_port: int | None = None,
+) -> None:  # fmt: skip
     import time
 
     from ranklens.analyzers import save_findings
     from ranklens.analyzers.job import FindingTracker, analyze_job
 
     tracker = FindingTracker()
+    exporter = None
+    if metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from ranklens.analyzers.recovery import FindingsExporter, serve_metrics
+
+        registry = CollectorRegistry()
+        exporter = FindingsExporter(registry)
+        server = serve_metrics(registry, port=metrics_port, addr="0.0.0.0")
+        click.echo(f"metrics on http://0.0.0.0:{server.port}/metrics", err=True)
     if not as_json:
         click.echo(f"following job {job_id} attempt {attempt} every {interval:g} s (Ctrl-C to stop)", err=True)
     try:
         while True:
-            update = tracker.update(analyze_job(store, job_id, attempt))
+            current = analyze_job(store, job_id, attempt)
+            update = tracker.update(current)
             changed = update.all()
             if save and changed:
                 save_findings(store, changed)
+            if exporter is not None:
+                exporter.update(list(tracker.open.values()))
+            if engine is not None and update.new + update.changed:
+                engine.process(update.new + update.changed)
             for event, items in (("new", update.new), ("changed", update.changed), ("resolved", update.resolved)):
                 for f in items:
                     if as_json:
@@ -542,6 +625,65 @@ def collect(store_url: str | None, spool_dir: str, follow: bool, interval: float
         shipper.run(interval_s=interval, on_pass=report)
     except KeyboardInterrupt:
         shipper.ship_once()
+
+
+@cli.command(epilog=_EPILOG)
+@_store_option
+@click.option(
+    "--policy",
+    "policy_file",
+    type=click.Path(exists=True, dir_okay=False),
+    envvar="RANKLENS_POLICY",
+    required=True,
+    help="Recovery policy file (TOML). Env: RANKLENS_POLICY.",
+)
+@click.option(
+    "--outbox",
+    "outbox_dir",
+    envvar="RANKLENS_OUTBOX",
+    default=None,
+    help="Webhook outbox directory (default: ~/.ranklens/outbox).",
+)
+@click.option(
+    "--drain",
+    "drain_s",
+    type=click.FloatRange(0),
+    default=30.0,
+    show_default=True,
+    help="Keep retrying pending deliveries for at most this many seconds.",
+)
+@_errors
+def deliver(store_url: str | None, policy_file: str, outbox_dir: str | None, drain_s: float) -> None:
+    """Retry the webhook deliveries still pending in the outbox (after a restart or an outage)."""
+    engine = _engine(policy_file, _open(store_url), outbox_dir)
+    try:
+        stats = engine.drain(drain_s)
+    finally:
+        engine.close()
+    click.echo(f"delivered: {stats.acknowledged} acknowledged, {stats.retrying} still retrying, {stats.failed} failed")
+
+
+@cli.command("alerts-receiver", epilog=_EPILOG)
+@_store_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=9095, show_default=True, help="Port to listen on.")
+@_errors
+def alerts_receiver(store_url: str | None, host: str, port: int) -> None:
+    """Receive Alertmanager webhooks (e.g. DCGM XID alerts) and attach them to findings.
+
+    Alertmanager must send `Authorization: Bearer $RANKLENS_ALERTS_TOKEN` (at least 16 characters)
+    to http://HOST:PORT/alertmanager.
+    """
+    import os
+
+    from ranklens.analyzers.recovery import AlertAttacher, AlertmanagerReceiver
+
+    receiver = AlertmanagerReceiver(AlertAttacher(_open(store_url)), token=os.environ.get("RANKLENS_ALERTS_TOKEN", ""))
+    click.echo(f"receiving Alertmanager webhooks on http://{host}:{port}/alertmanager (Ctrl-C to stop)", err=True)
+    try:
+        receiver.serve_forever(host, port)
+    except KeyboardInterrupt:
+        pass
 
 
 @cli.command(

@@ -153,3 +153,37 @@ def test_ingest_flight_recorder_detected(tmp_path):
     )
     (row,) = json.loads(r.output)
     assert row["ranks"] == 4 and row["n"] > 100
+
+
+def test_analyze_act_sends_a_signed_webhook(tmp_path, monkeypatch):
+    from ranklens.analyzers.recovery.testing import WebhookReceiver
+    from ranklens.store import open_store
+    from tests.helpers import synthetic_job
+
+    store_url = f"embedded://{tmp_path}/s"
+    open_store(store_url).write_many(synthetic_job(slow_rank=2))
+    secret = "s3cret-s3cret-s3cret-s3cret"
+    monkeypatch.setenv("RANKLENS_WEBHOOK_SECRET", secret)
+    with WebhookReceiver(secret) as rx:
+        policy = tmp_path / "policy.toml"
+        policy.write_text(
+            'version = 1\n[[rule]]\nname = "stragglers"\nkinds = ["straggler"]\nlevel = "notify"\n'
+            f'[[endpoint]]\nname = "oncall"\nurl = "{rx.url}"\nsecret_env = "RANKLENS_WEBHOOK_SECRET"\n'
+            'levels = ["notify"]\nkinds = ["*"]\n'
+        )
+        args = ["analyze", "--store", store_url, "--act", "--policy", str(policy), "--outbox", str(tmp_path / "ob")]
+        r = run(*args, "--json")
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.output)
+        assert out["recovery"]["decisions"], out
+        assert len(rx.accepted) == 1
+        assert rx.accepted[0].payload["finding"]["suspects"][0]["rank"] == 2
+        r = run(*args)  # the same finding again: nothing is sent twice
+        assert r.exit_code == 0 and len(rx.accepted) == 1
+    rows = open_store(store_url).query("SELECT count() FROM actions WHERE finding_id != ''").scalar()
+    assert rows >= 1
+
+
+def test_act_needs_a_policy(tmp_path):
+    r = run("analyze", "--store", f"embedded://{tmp_path}/s", "--act")
+    assert r.exit_code == 2 and "--act needs --policy" in r.output

@@ -1,0 +1,428 @@
+"""The recovery engine: findings in; decisions, deliveries and ``actions`` rows out.
+
+For each finding: the first matching rule gives a level; a third ``restart_rank`` of the same
+target within the escalation window becomes ``replace_node`` (the in-place restarts did not
+help); the decision's idempotency key (finding id, level, mode) makes a re-run of the analysis
+a no-op; then the guards (cool-down per target and level, cap per job per hour, a readable
+history) may suppress it. A decision that goes ahead is recorded together with its webhook
+deliveries in the outbox (one transaction), its hooks are called, and every row reaches the
+``actions`` table. In dry-run (the policy's default) the same decisions are taken and recorded
+as ``dry_run``, and deliveries carry them as ``notify``, so no receiver acts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ranklens.analyzers.findings import Finding
+from ranklens.analyzers.recovery.api import Decision, Level, PayloadTooLarge, idempotency_key
+from ranklens.analyzers.recovery.audit import History, action_row, load_history
+from ranklens.analyzers.recovery.hooks import HookRegistry, default_registry
+from ranklens.analyzers.recovery.outbox import NewDelivery, Outbox
+from ranklens.analyzers.recovery.payload import build_payload
+from ranklens.analyzers.recovery.policy import Policy
+from ranklens.analyzers.recovery.webhooks import DeliveryStats, Transport, WebhookDispatcher
+from ranklens.store.api import Store
+
+__all__ = ["Engine", "RunReport", "act_on", "target_for"]
+
+logger = logging.getLogger("ranklens.recovery")
+HOUR_NS = 3600 * 10**9
+
+
+def target_for(f: Finding, level: Level) -> str:
+    """What a level acts on: ``rank:2`` (or ``rank:1,3``), ``node:<host>``, ``job:<id>``.
+
+    A node whose host is unknown is named after its ranks (``node-of-rank:2``), which, unlike a
+    host, is scoped to the job.
+    """
+    ranks = ",".join(str(r) for r in sorted({s.rank for s in f.suspects if s.rank >= 0}))
+    if level is Level.RESTART_JOB or not ranks:
+        return f"job:{f.job_id}"
+    if level is Level.REPLACE_NODE:
+        hosts = sorted({s.node for s in f.suspects if s.node})
+        return f"node:{','.join(hosts)}" if hosts else f"node-of-rank:{ranks}"
+    return f"rank:{ranks}"
+
+
+@dataclass
+class RunReport:
+    """What :meth:`Engine.process` did: decisions taken, those skipped as already taken, deliveries."""
+
+    decisions: list[Decision] = field(default_factory=list)
+    already_decided: list[str] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+    hooks: list[tuple[str, str, str]] = field(default_factory=list)
+    deliveries: DeliveryStats = field(default_factory=DeliveryStats)
+    audit_rows_written: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "decisions": [
+                {
+                    "finding_id": d.finding.id,
+                    "kind": d.finding.kind,
+                    "level": d.level.value,
+                    "delivered_level": d.delivered_level.value,
+                    "target": d.target,
+                    "rule": d.rule,
+                    "dry_run": d.dry_run,
+                    "suppressed_by": d.suppressed_by,
+                    "escalated_from": d.escalated_from.value if d.escalated_from else None,
+                    "reason": d.reason,
+                    "idempotency_key": d.key,
+                }
+                for d in self.decisions
+            ],
+            "already_decided": self.already_decided,
+            "unmatched": self.unmatched,
+            "hooks": [{"hook": h, "finding_id": f, "outcome": o} for h, f, o in self.hooks],
+            "deliveries": {
+                "acknowledged": self.deliveries.acknowledged,
+                "retrying": self.deliveries.retrying,
+                "failed": self.deliveries.failed,
+            },
+        }
+
+
+class Engine:
+    """Decides and carries out recovery actions for findings.
+
+    Args:
+        policy: rules, guards and endpoints (:func:`~.policy.load_policy`).
+        store: where ``actions`` rows go and where the guards read history from (None: the
+            outbox alone is the history, and rows stay queued in it).
+        outbox_dir: the durable outbox's directory (one per deployment; survives restarts).
+        hooks: the hook registry (default: the module-level one ``@hook`` fills).
+        transport: HTTP client for webhooks (default: stdlib ``http.client``).
+        clock_ns, rng, sleep: injected time, jitter and waiting (tests).
+        metrics: optional :class:`~.prometheus.RecoveryMetrics`.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        store: Store | None,
+        outbox_dir: str | os.PathLike[str],
+        *,
+        hooks: HookRegistry | None = None,
+        transport: Transport | None = None,
+        clock_ns: Callable[[], int] = time.time_ns,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        metrics: Any = None,
+    ) -> None:
+        self.policy = policy
+        self.store = store
+        self.hooks = hooks if hooks is not None else default_registry
+        self._clock_ns = clock_ns
+        self.outbox = Outbox(outbox_dir, clock_ns=clock_ns)
+        self.metrics = metrics
+        self.dispatcher = WebhookDispatcher(
+            self.outbox,
+            policy.endpoints,
+            transport=transport,
+            clock_ns=clock_ns,
+            rng=rng,
+            sleep=sleep,
+            on_outcome=(lambda ep, o: metrics.delivery(ep, o)) if metrics is not None else None,
+        )
+
+    # -- deciding ----------------------------------------------------------------------------
+
+    def decide(self, findings: Iterable[Finding], history: History | None = None) -> tuple[list[Decision], RunReport]:
+        """Decisions for ``findings`` without acting on them (plus what was skipped, in a report)."""
+        findings = list(findings)
+        report = RunReport()
+        now = self._clock_ns()
+        g = self.policy.guards
+        if history is None:
+            since = now - int(max(g.cooldown_s, g.escalation_window_s, 3600) * 1e9)
+            history = load_history(
+                self.store, {f.job_id for f in findings}, since_ns=since, queued=self.outbox.pending_audit()
+            )
+        local_keys = self.outbox.decision_keys()
+        mode = "dry_run" if self.policy.dry_run else "decided"
+        out: list[Decision] = []
+        for f in findings:
+            rule = self.policy.match(f)
+            if rule is None:
+                report.unmatched.append(f.id)
+                continue
+            level = rule.level_for(f)
+            escalated_from = None
+            if level is Level.RESTART_RANK and g.escalate_after > 0:
+                prior = history.count_target(
+                    job_id=f.job_id,
+                    target=target_for(f, Level.RESTART_RANK),
+                    action=Level.RESTART_RANK.value,
+                    outcome=mode,
+                    since_ns=now - int(g.escalation_window_s * 1e9),
+                )
+                if prior >= g.escalate_after:
+                    level, escalated_from = Level.REPLACE_NODE, Level.RESTART_RANK
+            target = target_for(f, level)
+            key = idempotency_key(f.id, level, self.policy.dry_run)
+            if key in local_keys or history.has_key(key):
+                report.already_decided.append(f.id)
+                continue
+            reason = (
+                f"rule {rule.name}: {f.kind} {getattr(f.severity, 'value', f.severity)}, confidence {f.confidence:.2f}"
+            )
+            if escalated_from is not None:
+                reason += (
+                    f"; escalated: {g.escalate_after} restart_rank of {target_for(f, Level.RESTART_RANK)} did not help"
+                )
+            suppressed, detail = self._guard(f, level, target, mode, history, now)
+            d = Decision(
+                finding=f,
+                level=level,
+                target=target,
+                rule=rule.name,
+                reason=reason,
+                dry_run=self.policy.dry_run,
+                key=key,
+                decided_ns=now,
+                escalated_from=escalated_from,
+                suppressed_by=suppressed,
+                detail=detail,
+            )
+            out.append(d)
+            if not suppressed:
+                # later findings of this batch see this decision (cool-down, cap, escalation)
+                history.add(
+                    {
+                        "job_id": f.job_id,
+                        "action": level.value,
+                        "target": target,
+                        "outcome": mode,
+                        "ts_ns": now,
+                        "idempotency_key": key,
+                    }
+                )
+                local_keys.add(key)
+        report.decisions = out
+        return out, report
+
+    def _guard(
+        self, f: Finding, level: Level, target: str, mode: str, history: History, now: int
+    ) -> tuple[str, dict[str, Any]]:
+        g = self.policy.guards
+        if level.remediates and not history.complete:
+            return "history_unavailable", {"why": "the actions history could not be read; only notify goes ahead"}
+        last = history.last_ns(job_id=f.job_id, target=target, action=level.value, outcome=mode)
+        if last is not None and now - last < g.cooldown_s * 1e9:
+            return "cooldown", {
+                "why": f"{level.value} of {target} {((now - last) / 1e9):.0f} s ago, cool-down {g.cooldown_s:.0f} s"
+            }
+        if level.remediates:
+            n = history.count_job(
+                job_id=f.job_id, outcome=mode, since_ns=now - HOUR_NS, exclude_actions=(Level.NOTIFY.value,)
+            )
+            if n >= g.max_actions_per_job_per_hour:
+                return "rate_cap", {
+                    "why": f"{n} actions on job {f.job_id} in the last hour, cap {g.max_actions_per_job_per_hour}"
+                }
+        return "", {}
+
+    # -- acting ------------------------------------------------------------------------------
+
+    def process(self, findings: Iterable[Finding], *, deliver: bool = True) -> RunReport:
+        """Decide, record and carry out actions for ``findings``; one pass of webhook delivery.
+
+        Idempotent: running it again on the same findings takes no new decision. Hooks are
+        called synchronously (each bounded by its timeout); webhooks are queued and attempted
+        once now, retries happen in later calls or in :meth:`drain`.
+        """
+        decisions, report = self.decide(findings)
+        for d in decisions:
+            if d.suppressed_by:
+                self._record_suppressed(d)
+            else:
+                self._record_and_run(d, report)
+        if deliver:
+            report.deliveries = self.dispatcher.deliver_due()
+        report.audit_rows_written = self.flush_audit()
+        self._update_gauges()
+        return report
+
+    def _decision_row(self, d: Decision, outcome: str) -> dict[str, Any]:
+        f = d.finding
+        detail = {
+            "rule": d.rule,
+            "reason": d.reason,
+            "dry_run": d.dry_run,
+            "delivered_level": d.delivered_level.value,
+            "kind": f.kind,
+            "severity": getattr(f.severity, "value", str(f.severity)),
+            "confidence": round(float(f.confidence), 4),
+            **({"escalated_from": d.escalated_from.value} if d.escalated_from else {}),
+            **({"suppressed_by": d.suppressed_by} if d.suppressed_by else {}),
+            **d.detail,
+        }
+        return action_row(
+            finding_id=f.id,
+            job_id=f.job_id,
+            attempt=f.attempt,
+            action=d.level.value,
+            target=d.target,
+            idempotency_key=d.key,
+            outcome=outcome,
+            detail=detail,
+            ts_ns=d.decided_ns,
+        )
+
+    def _record_suppressed(self, d: Decision) -> None:
+        logger.info(
+            "recovery: %s of %s for finding %s suppressed (%s)", d.level.value, d.target, d.finding.id, d.suppressed_by
+        )
+        if self.outbox.record_suppression(d.key, d.suppressed_by, [self._decision_row(d, "suppressed")]):
+            self._count(d, "suppressed")
+
+    def _record_and_run(self, d: Decision, report: RunReport) -> None:
+        f = d.finding
+        outcome = "dry_run" if d.dry_run else "decided"
+        deliveries: list[NewDelivery] = []
+        endpoints = [e for e in self.policy.endpoints if e.accepts(d.delivered_level, f.kind)]
+        if endpoints:
+            try:
+                body = build_payload(
+                    d, dashboard_link=self.policy.dashboard_link(f), max_bytes=self.policy.max_payload_bytes
+                )
+                deliveries = [NewDelivery(e.name, body) for e in endpoints]
+            except PayloadTooLarge as e:
+                logger.error("recovery: %s", e)
+                self.outbox.add_audit([self._skip_row(d, f"webhook:{ep.name}", str(e)) for ep in endpoints])
+        if not self.outbox.record_decision(
+            key=d.key,
+            finding_id=f.id,
+            job_id=f.job_id,
+            attempt=f.attempt,
+            action=d.level.value,
+            target=d.target,
+            outcome=outcome,
+            audit_rows=[self._decision_row(d, outcome)],
+            deliveries=deliveries,
+        ):
+            report.already_decided.append(f.id)  # another process took it meanwhile
+            return
+        self._count(d, outcome)
+        logger.info(
+            "recovery: %s%s of %s for finding %s (%s)",
+            "[dry run] " if d.dry_run else "",
+            d.level.value,
+            d.target,
+            f.id,
+            d.reason,
+        )
+        rows = []
+        for spec in self.hooks.for_decision(f.kind, d.delivered_level):
+            res = self.hooks.run(spec, d)
+            report.hooks.append((spec.name, f.id, res.outcome))
+            detail = f"{res.detail} ({res.duration_s:.2f} s)" if res.detail else f"{res.duration_s:.2f} s"
+            rows.append(
+                action_row(
+                    finding_id=f.id,
+                    job_id=f.job_id,
+                    attempt=f.attempt,
+                    action=d.level.value,
+                    target=f"hook:{spec.name}",
+                    idempotency_key=d.key,
+                    outcome=res.outcome,
+                    detail=detail,
+                    ts_ns=self._clock_ns(),
+                )
+            )
+            if self.metrics is not None:
+                self.metrics.delivery(f"hook:{spec.name}", res.outcome)
+        if rows:
+            self.outbox.add_audit(rows)
+
+    def _skip_row(self, d: Decision, target: str, why: str) -> dict[str, Any]:
+        f = d.finding
+        return action_row(
+            finding_id=f.id,
+            job_id=f.job_id,
+            attempt=f.attempt,
+            action=d.level.value,
+            target=target,
+            idempotency_key=d.key,
+            outcome="skipped",
+            detail=why,
+            ts_ns=self._clock_ns(),
+        )
+
+    def _count(self, d: Decision, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.decision(d.level.value, outcome)
+
+    def _update_gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.outbox(self.outbox.counts().get("pending", 0), len(self.outbox.pending_audit()))
+
+    # -- delivering --------------------------------------------------------------------------
+
+    def deliver_pending(self) -> DeliveryStats:
+        """One pass over due webhook deliveries (e.g. those left by a previous run), then flush audit rows."""
+        stats = self.dispatcher.deliver_due()
+        self.flush_audit()
+        self._update_gauges()
+        return stats
+
+    def drain(self, timeout_s: float) -> DeliveryStats:
+        """Deliver, waiting out retries, until nothing is pending or ``timeout_s`` passed."""
+        stats = self.dispatcher.drain(timeout_s)
+        self.flush_audit()
+        self._update_gauges()
+        return stats
+
+    def flush_audit(self) -> int:
+        """Write queued ``actions`` rows to the store; they stay queued when it is unreachable."""
+        if self.store is None:
+            return 0
+        store = self.store
+        try:
+            return self.outbox.flush_audit(lambda rows: store.write("actions", rows))
+        except Exception as e:  # the store is a boundary; rows stay in the outbox for the next flush
+            logger.warning("recovery: cannot write actions rows to the store (%s); they stay queued", e)
+            return 0
+
+    def pending(self) -> dict[str, int]:
+        """Outbox state: deliveries per state and audit rows not yet in the store."""
+        return {**self.outbox.counts(), "audit_queued": len(self.outbox.pending_audit())}
+
+    def close(self) -> None:
+        self.flush_audit()
+        self.outbox.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def act_on(
+    findings: Sequence[Finding],
+    policy: Policy,
+    store: Store | None,
+    outbox_dir: str | os.PathLike[str],
+    *,
+    drain_timeout_s: float = 0.0,
+    **kwargs: Any,
+) -> RunReport:
+    """One-shot: build an :class:`Engine`, process ``findings``, optionally drain retries, close."""
+    with Engine(policy, store, outbox_dir, **kwargs) as engine:
+        report = engine.process(findings)
+        if drain_timeout_s > 0:
+            s = engine.drain(drain_timeout_s)
+            report.deliveries.acknowledged += s.acknowledged
+            report.deliveries.retrying = s.retrying
+            report.deliveries.failed += s.failed
+        return report
