@@ -33,6 +33,7 @@ class Job:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
                "RANKLENS_SPOOL": str(self.spool), "RANKLENS_JOB_ID": self.job_id, "OMP_NUM_THREADS": "1",
                "HANG_MODE": mode, "HANG_RANK": str(rank), "HANG_STEP": str(step), "HANG_MARKER": str(self.marker),
+               "RANKLENS_FR_STUCK_S": "3",
                **extra}  # fmt: skip
         self.logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(world)]
         self.procs = [
@@ -94,6 +95,19 @@ def test_sleeping_rank_is_named_before_the_gloo_timeout(job, embedded_store):
     assert ev["action"] == "restart_rank"
     assert "rank 2 never entered all_reduce" in f.title
     assert latency < 10
+    # every live rank dumped torch's flight recorder (the stuck ranks after RANKLENS_FR_STUCK_S, the
+    # sleeping one on their signal), and the post-mortem analysis of those dumps agrees
+    from ranklens.analyzers.hangs import analyze_flight_recorder
+    from ranklens.collector.flight_recorder import load_dumps
+
+    fr_dir = j.spool / j.job_id / "0" / "fr"
+    deadline = time.time() + 15
+    while time.time() < deadline and len(list(fr_dir.glob("fr_trace_rank_*.json"))) < 4:
+        time.sleep(0.5)
+    dumps = load_dumps(fr_dir)
+    assert sorted(d.rank for d in dumps) == [0, 1, 2, 3]
+    post = analyze_flight_recorder(dumps)
+    assert [(p.kind, [s.rank for s in p.suspects]) for p in post] == [("hang", [2])]
 
 
 def test_exited_rank_is_named_as_crashed(job, embedded_store):

@@ -199,3 +199,38 @@ def test_phase_as_decorator_applied_before_init(tmp_path):
     finally:
         rlt.shutdown()
     assert [p["phase"] for p in _segments(tmp_path, "phases")] == ["forward", "forward"]
+
+
+def test_deleted_spool_directory_is_recreated(tmp_path):
+    import shutil
+
+    t = _tracer(tmp_path)
+    with t.step(0):
+        pass
+    t.flush()
+    shutil.rmtree(tmp_path / "j")  # an operator cleans /tmp under a running job
+    with t.step(1):
+        pass
+    t.shutdown()
+    assert [s["step"] for s in _segments(tmp_path, "steps")] == [1]
+    assert not t._drops  # nothing lost after the directory came back
+
+
+def test_full_disk_drops_and_counts_without_raising(tmp_path):
+    import subprocess as sp
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if sp.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root) to simulate a full disk")
+    try:
+        t = Tracer(job_id="j", attempt=0, rank=0, world_size=1, spool_dir=str(mnt), flush_interval_s=60)
+        for i in range(3000):
+            with t.step(i), t.phase("forward"):
+                pass
+        t.flush()  # ENOSPC inside: logged and counted, never raised
+        t.shutdown()
+        assert t._drops["phases:spool_write_failed"] > 0 or t._drops["steps:spool_write_failed"] > 0
+        assert not list(mnt.rglob("*.tmp"))  # no half-written segment left behind
+    finally:
+        sp.run(["umount", str(mnt)], check=False)

@@ -31,7 +31,7 @@ import uuid
 from typing import Any
 
 from ranklens.config import DEFAULT_SPOOL_DIR as DEFAULT_SPOOL
-from ranklens.config import ENV_ATTEMPT, ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL
+from ranklens.config import ENV_ATTEMPT, ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL, env_float
 from ranklens.tracing.tracer import Tracer
 
 __all__ = ["Tracer", "allreduce_hook", "get_tracer", "init", "instrument_ddp", "phase", "shutdown", "step"]
@@ -64,6 +64,13 @@ def _agree_on_job_id(dist: Any) -> str:
     return f"local-{socket.gethostname()}-{os.getpid()}"
 
 
+def _default_store(dist: Any) -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
 def init(
     *,
     job_id: str | None = None,
@@ -74,6 +81,8 @@ def init(
     flush_interval_s: float = 0.5,
     patch_distributed: bool = True,
     ddp: bool = True,
+    fr_stuck_s: float | None = None,
+    fr_interval_s: float | None = None,
 ) -> Tracer | None:
     """Start tracing this rank. Call after ``torch.distributed.init_process_group``.
 
@@ -86,6 +95,11 @@ def init(
         patch_distributed: wrap torch.distributed's collectives to record the arrival ledger.
         ddp: trace DDP's gradient-bucket all-reduces automatically (a communication hook is
             registered at each DDP model's first forward unless the user registered their own).
+        fr_stuck_s: dump torch's flight-recorder buffer when a collective has been in flight this
+            long (default ``$RANKLENS_FR_STUCK_S`` or 30; 0 turns it off). It is also dumped when a
+            collective fails. Dumps go to ``<spool>/<job>/<attempt>/fr/``.
+        fr_interval_s: also dump it every this many seconds (default ``$RANKLENS_FR_INTERVAL_S``
+            or 0: off).
 
     Returns:
         The tracer, or None when disabled by ``RANKLENS_DISABLE=1`` or when setup failed (the
@@ -116,6 +130,11 @@ def init(
             local_rank=int(os.environ.get("LOCAL_RANK", "-1")),
             spool_dir=spool_dir or os.environ.get(ENV_SPOOL) or DEFAULT_SPOOL,
             flush_interval_s=flush_interval_s,
+            fr_stuck_s=fr_stuck_s if fr_stuck_s is not None else env_float("RANKLENS_FR_STUCK_S", 30.0, minimum=0),
+            fr_interval_s=(
+                fr_interval_s if fr_interval_s is not None else env_float("RANKLENS_FR_INTERVAL_S", 0.0, minimum=0)
+            ),
+            store=_default_store(dist) if initialized else None,
         )
         if patch_distributed and dist is not None and dist.is_available():
             from ranklens.tracing import _patch

@@ -51,9 +51,20 @@ class SpoolWriter:
         name = f"{table}.{os.getpid()}.{self._n:08d}.jsonl"
         tmp = self.dir / f".{name}.tmp"
         dumps = json.dumps
-        with open(tmp, "w") as f:
-            f.write(header_line(table))
-            f.write("\n".join(dumps(r, separators=(",", ":")) for r in rows))
-            f.write("\n")
-        os.replace(tmp, self.dir / name)
+        text = header_line(table) + "\n".join(dumps(r, separators=(",", ":")) for r in rows) + "\n"
+        try:
+            f = open(tmp, "w")
+        except FileNotFoundError:  # the spool directory was removed under us: make it again
+            self.dir.mkdir(parents=True, exist_ok=True)
+            f = open(tmp, "w")
+        try:
+            with f:
+                f.write(text)
+            os.replace(tmp, self.dir / name)
+        except BaseException:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            raise
         return self.dir / name

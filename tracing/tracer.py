@@ -22,6 +22,7 @@ __all__ = ["Tracer"]
 
 log = logging.getLogger("ranklens.tracing")
 
+FR_SIGNAL_KEY = "ranklens/fr_dump_signal"
 TABLES = ("collectives", "steps", "phases", "process_groups", "ranks", "heartbeats", "drops")
 
 
@@ -48,6 +49,10 @@ class Tracer:
         flush_interval_s: float = 0.5,
         max_buffered: int = 500_000,
         clock: Callable[[], int] = time.time_ns,
+        fr_stuck_s: float = 30.0,
+        fr_interval_s: float = 0.0,
+        store: Any = None,
+        fr_signal_poll_s: float = 2.0,
     ) -> None:
         self.job_id = job_id
         self.attempt = attempt
@@ -74,6 +79,16 @@ class Tracer:
         self._host = socket.gethostname()
         self._pg_names: dict[int, tuple[str, Any]] = {}
         self._interval = flush_interval_s
+        self._fr_stuck_ns = int(fr_stuck_s * 1e9) if fr_stuck_s > 0 else 0
+        self._fr_interval_ns = int(fr_interval_s * 1e9) if fr_interval_s > 0 else 0
+        self._fr_last_ns = 0
+        self._fr_dumped_for: set[tuple[str, int]] = set()
+        # torch.distributed's key-value store (TCPStore): a rank that dumps raises a signal there
+        # and every other rank dumps too, so the post-mortem has every live rank's buffer.
+        self._store = store
+        self._fr_signal_poll_ns = int(fr_signal_poll_s * 1e9)
+        self._fr_signal_seen = 0
+        self._fr_signal_polled = 0
         self._stop = threading.Event()
         self._flush_lock = threading.Lock()
         self._pid = os.getpid()
@@ -118,6 +133,7 @@ class Tracer:
             rows = self._take()
             now = self.clock()
             rows.append(("heartbeats", self._heartbeat(now)))
+            self._maybe_dump_fr(now)
             for what, n in (self._drops - self._drops_reported).items():
                 rows.append(
                     (
@@ -143,6 +159,71 @@ class Tracer:
                 except OSError:
                     self._drops[f"{table}:spool_write_failed"] += len(trows)
                     log.exception("ranklens: cannot write the spool under %s", self.spool_dir)
+
+    # -- PyTorch's flight recorder ----------------------------------------------------------
+    @property
+    def fr_dir(self) -> str:
+        """Where this job attempt's flight-recorder dumps go (one file per rank, all ranks in one
+        folder, so `ranklens analyze --flight-recorder` takes it as it is)."""
+        return os.path.join(str(self._writer.dir.parent), "fr")
+
+    def dump_flight_recorder(self, reason: str) -> str | None:
+        """Write torch's flight-recorder buffer (JSON) as ``fr/fr_trace_rank_<r>.json`` next to the
+        spool, replacing the previous dump of this rank. Returns the path, or None when torch has
+        no flight recorder here. Never raises."""
+        try:
+            from torch._C._distributed_c10d import _dump_fr_trace_json
+        except Exception:
+            return None
+        try:
+            data = _dump_fr_trace_json()
+            os.makedirs(self.fr_dir, exist_ok=True)
+            path = os.path.join(self.fr_dir, f"fr_trace_rank_{self.rank}.json")
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data if isinstance(data, bytes) else str(data).encode())
+            os.replace(tmp, path)
+            self._fr_last_ns = self.clock()
+            log.warning("ranklens: flight-recorder dump of rank %d (%s): %s", self.rank, reason, path)
+            return path
+        except Exception:
+            self._drops["flight_recorder:dump_failed"] += 1
+            log.exception("ranklens: flight-recorder dump failed")
+            return None
+
+    def _maybe_dump_fr(self, now: int) -> None:
+        """Dump when a collective has been in flight for ``fr_stuck_s`` (before a watchdog kills
+        the process), and every ``fr_interval_s`` when asked."""
+        if self._fr_stuck_ns:
+            for key, row in list(self._inflight.items()):
+                if now - row["enter_ns"] >= self._fr_stuck_ns and key not in self._fr_dumped_for:
+                    self._fr_dumped_for.add(key)
+                    self.dump_flight_recorder(
+                        f"{row['op']} #{key[1]} of pg {key[0]} in flight for {(now - row['enter_ns']) / 1e9:.0f} s"
+                    )
+                    self._raise_fr_signal()
+                    return
+        if self._store is not None and self._fr_stuck_ns and now - self._fr_signal_polled >= self._fr_signal_poll_ns:
+            self._fr_signal_polled = now
+            try:
+                value = int(self._store.add(FR_SIGNAL_KEY, 0))
+            except Exception:
+                self._store = None  # the store is gone (job ending): stop polling it
+                return
+            if value > self._fr_signal_seen:
+                self._fr_signal_seen = value
+                self.dump_flight_recorder("dump signal from another rank")
+                return
+        if self._fr_interval_ns and now - self._fr_last_ns >= self._fr_interval_ns:
+            self.dump_flight_recorder("periodic")
+
+    def _raise_fr_signal(self) -> None:
+        if self._store is None:
+            return
+        try:
+            self._fr_signal_seen = int(self._store.add(FR_SIGNAL_KEY, 1))
+        except Exception:
+            self._drops["flight_recorder:signal_failed"] += 1
 
     def _heartbeat(self, now: int) -> dict[str, Any]:
         """Where this rank is now: step, phase, per-group progress and what is in flight."""
@@ -284,6 +365,9 @@ class Tracer:
         self._inflight.pop((row["pg"], row["seq"]), None)
         row["end_ns"] = -1
         self.add("collectives", row)
+        if self.clock() - self._fr_last_ns > 5_000_000_000:  # once per failure burst
+            self.dump_flight_recorder(f"{row['op']} #{row['seq']} of pg {row['pg']} failed")
+            self._raise_fr_signal()
 
     def watch(self, work: Any, row: dict[str, Any], max_pending: int = 10_000) -> None:
         """Complete ``row`` when ``work.is_completed()`` turns true (for Work objects without a
