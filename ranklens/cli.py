@@ -490,6 +490,12 @@ def _analyze_flight_recorder(
     help="Flight-recorder dumps: the job id (default: derived from the dumps).",
 )
 @click.option("--world-size", type=click.IntRange(1), default=None, help="Flight-recorder dumps: ranks of the job.")
+@click.option(
+    "--rank",
+    type=click.IntRange(0),
+    default=None,
+    help="Kineto traces: the rank, when neither distributedInfo nor the file name tells.",
+)
 @_errors
 def ingest(
     store_url: str | None,
@@ -498,20 +504,27 @@ def ingest(
     table: str | None,
     job_id: str | None,
     world_size: int | None,
+    rank: int | None,
 ) -> None:
-    """Load records (the open JSON Lines / Parquet format, docs/ingest-format.md) into the store.
+    """Load records into the store: the open JSON Lines / Parquet format (docs/ingest-format.md),
+    PyTorch flight-recorder dumps (pickle or JSON, NCCL or gloo) or Kineto / torch.profiler traces
+    (.json or .json.gz, streamed). The format is detected when --format is omitted.
 
     Every file is validated before anything is written: a malformed file is named with its
-    line/row and field, and nothing is written.
+    line/row (or event) and field, and nothing is written.
     """
     from ranklens.ingest import expand, ingest_paths
 
     fmt = fmt or _detect_format(paths)
     if fmt == "kineto":
-        raise RanklensError(
-            "--format kineto is not supported by this release yet (issue #3); "
-            "convert to the open JSON Lines format meanwhile"
-        )
+        from ranklens.collector.kineto import ingest_kineto
+
+        store = _open(store_url)
+        written = ingest_kineto(store, list(paths), job_id=job_id, rank=rank)
+        for name, n in sorted(written.items()):
+            click.echo(f"{name}: {n:,} rows")
+        click.echo(f"ingested Kineto traces into {store.url}")
+        return
     if fmt == "flight-recorder":
         from ranklens.collector.flight_recorder import ingest_flight_recorder
 
@@ -569,7 +582,9 @@ def _detect_format(paths: tuple[str, ...]) -> str | None:
     files = [f for f in files if not f.name.startswith(".") and f.suffix not in (".md", ".txt", ".log")]
     if not files or all(f.suffix in (".jsonl", ".parquet", ".pq") for f in files):
         return None
-    if any(f.name.endswith((".pt.trace.json", ".trace.json")) for f in files):
+    from ranklens.collector.kineto import is_kineto_file
+
+    if any(is_kineto_file(f) for f in files):
         return "kineto"
     return "flight-recorder"
 

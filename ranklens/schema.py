@@ -27,7 +27,7 @@ __all__ = [
     "table",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCALARS = {"Int32", "Int64", "UInt8", "UInt32", "UInt64", "Float64", "String"}
 
@@ -292,6 +292,29 @@ _table(
     ],
     ("job_id", "attempt", "rank", "ts_ns"),
     "one row per rank x heartbeat interval",
+    shard_key="cityHash64(job_id, rank)",
+)
+_table(
+    "trace_events",
+    [
+        *_job(),
+        _c("ts_ns", "Int64", "event start", required=True),
+        _c("dur_ns", "Int64", "event duration"),
+        _c("cat", "String", "kernel, gpu_memcpy, cpu_op, cuda_runtime, user_annotation, ...", required=True),
+        _c("name", "String", "kernel / op / annotation name", required=True),
+        _c("pid", "String", "trace process (GPU device for kernels)"),
+        _c("tid", "String", "trace thread (CUDA stream for kernels)"),
+        _c("device", "Int32", "GPU index, -1 none", default=-1),
+        _c("stream", "Int64", "CUDA stream, -1 none", default=-1),
+        _c("correlation", "Int64", "CPU launch <-> GPU kernel correlation id, -1 none", default=-1),
+        _c("external_id", "Int64", "profiler external id, -1 none", default=-1),
+        _c("collective", "String", "NCCL collective of a communication kernel ('' none)"),
+        _c("in_nelems", "Int64", "NCCL input elements, -1 unknown", default=-1),
+        _c("group_size", "Int32", "NCCL group size, -1 unknown", default=-1),
+        _c("source", "String", "file the event came from"),
+    ],
+    ("job_id", "attempt", "rank", "ts_ns"),
+    "one row per complete event (ph X) of a torch.profiler / Kineto trace",
     shard_key="cityHash64(job_id, rank)",
 )
 _table(
