@@ -97,7 +97,8 @@ def _row(ev: dict[str, Any], base_ns: int, ident: dict[str, Any], source: str) -
     ts, dur = ev.get("ts"), ev.get("dur", 0)
     if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
         raise ValueError(f"event {str(ev.get('name'))[:60]!r} has a non-numeric ts/dur")
-    args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
+    raw_args = ev.get("args")
+    args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
     name = str(ev.get("name", ""))
     collective = str(args.get("Collective name", "") or "")
     if not collective and ev.get("cat") == "kernel":
