@@ -96,6 +96,7 @@ class Shipper:
             done.append(seg)
         if result.quarantined:
             batches.setdefault("drops", []).append(_drops_row(result.quarantined))
+        self._ship_traces(result)
         if not batches:
             return result
         merged = {name: pa.concat_tables(parts) for name, parts in batches.items()}
@@ -110,11 +111,35 @@ class Shipper:
                 seg.unlink()
             except FileNotFoundError:
                 pass
-        result.segments = len(done)
-        result.rows = written
+        result.segments += len(done)
+        for k, v in written.items():
+            result.rows[k] = result.rows.get(k, 0) + v
         for k, v in written.items():
             self.totals[k] = self.totals.get(k, 0) + v
         return result
+
+    def _ship_traces(self, result: ShipResult) -> None:
+        """Profiler windows (``<spool>/<job>/<attempt>/kineto/*.pt.trace.json``) into ``trace_events``."""
+        from ranklens.collector.kineto import ingest_kineto
+
+        if not self.spool_dir.is_dir():
+            return
+        for trace in sorted(self.spool_dir.glob("*/*/kineto/*.pt.trace.json")):
+            job, attempt = trace.parent.parent.parent.name, trace.parent.parent.name
+            try:
+                written = ingest_kineto(self.store, [trace], job_id=job, attempt=int(attempt))
+            except IngestError as e:
+                self._quarantine(trace, str(e))
+                result.quarantined += 1
+                continue
+            except (StoreError, ValueError) as e:
+                result.error = str(e)
+                return
+            trace.unlink(missing_ok=True)
+            result.segments += 1
+            for k, v in written.items():
+                result.rows[k] = result.rows.get(k, 0) + v
+                self.totals[k] = self.totals.get(k, 0) + v
 
     def run(
         self,

@@ -234,3 +234,29 @@ def test_full_disk_drops_and_counts_without_raising(tmp_path):
         assert not list(mnt.rglob("*.tmp"))  # no half-written segment left behind
     finally:
         sp.run(["umount", str(mnt)], check=False)
+
+
+def test_profiler_windows_every_n_steps_and_on_trigger(tmp_path, embedded_store):
+    import ranklens.tracing as rlt
+
+    t = rlt.init(job_id="prof", spool_dir=str(tmp_path), rank=0, world_size=1, patch_distributed=False,
+                 profile_every=4)  # fmt: skip
+    import torch
+
+    try:
+        for i in range(6):
+            if i == 5:
+                (tmp_path / "prof" / "0" / "profile-now").touch()  # on demand
+            with rlt.step(i), rlt.phase("forward"):
+                torch.ones(64, 64) @ torch.ones(64, 64)
+    finally:
+        rlt.shutdown()
+    names = sorted(p.name for p in (tmp_path / "prof" / "0" / "kineto").glob("*.pt.trace.json"))
+    assert names == ["rank0-step0.pt.trace.json", "rank0-step4.pt.trace.json", "rank0-step5.pt.trace.json"]
+    assert t is not None and t.profiler.failures == 0
+    r = Shipper(tmp_path, embedded_store).ship_once()
+    assert r.ok and r.rows.get("trace_events", 0) > 0
+    assert not list((tmp_path / "prof" / "0" / "kineto").glob("*.json"))  # shipped, then removed
+    q = "SELECT DISTINCT job_id, rank FROM trace_events"
+    assert embedded_store.query(q).rows() == [("prof", 0)]
+    assert embedded_store.query("SELECT count() FROM trace_events WHERE name LIKE '%mm%'").scalar() >= 3

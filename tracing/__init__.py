@@ -31,7 +31,7 @@ import uuid
 from typing import Any
 
 from ranklens.config import DEFAULT_SPOOL_DIR as DEFAULT_SPOOL
-from ranklens.config import ENV_ATTEMPT, ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL, env_float
+from ranklens.config import ENV_ATTEMPT, ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL, env_float, env_int
 from ranklens.tracing.tracer import Tracer
 
 __all__ = ["Tracer", "allreduce_hook", "get_tracer", "init", "instrument_ddp", "phase", "shutdown", "step"]
@@ -83,6 +83,10 @@ def init(
     ddp: bool = True,
     fr_stuck_s: float | None = None,
     fr_interval_s: float | None = None,
+    profile_every: int | None = None,
+    profile_steps: int = 1,
+    profile_trigger: str | None = None,
+    profile_signal: int | None = None,
 ) -> Tracer | None:
     """Start tracing this rank. Call after ``torch.distributed.init_process_group``.
 
@@ -100,6 +104,12 @@ def init(
             collective fails. Dumps go to ``<spool>/<job>/<attempt>/fr/``.
         fr_interval_s: also dump it every this many seconds (default ``$RANKLENS_FR_INTERVAL_S``
             or 0: off).
+        profile_every: run a torch.profiler window every this many steps (default
+            ``$RANKLENS_PROFILE_EVERY`` or 0: only on demand); ``profile_steps`` steps per window.
+        profile_trigger: a file whose appearance starts a window (default
+            ``<spool>/<job>/<attempt>/profile-now``: ``touch`` it to profile every rank's next step).
+        profile_signal: a signal number that starts a window (e.g. ``signal.SIGUSR2``; default none).
+            Traces go to ``<spool>/<job>/<attempt>/kineto/`` and the collector ingests them.
 
     Returns:
         The tracer, or None when disabled by ``RANKLENS_DISABLE=1`` or when setup failed (the
@@ -135,6 +145,18 @@ def init(
                 fr_interval_s if fr_interval_s is not None else env_float("RANKLENS_FR_INTERVAL_S", 0.0, minimum=0)
             ),
             store=_default_store(dist) if initialized else None,
+        )
+        from ranklens.tracing.profiler import ProfilerWindows
+
+        job_dir = os.path.dirname(tracer.kineto_dir)
+        tracer.profiler = ProfilerWindows(
+            tracer.kineto_dir,
+            rank,
+            every=profile_every if profile_every is not None else env_int("RANKLENS_PROFILE_EVERY", 0, minimum=0),
+            active_steps=profile_steps,
+            trigger_file=profile_trigger or os.path.join(job_dir, "profile-now"),
+            signum=profile_signal,
+            check_every=1,
         )
         if patch_distributed and dist is not None and dist.is_available():
             from ranklens.tracing import _patch

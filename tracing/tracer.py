@@ -103,6 +103,7 @@ class Tracer:
                 "started_ns": clock(),
             },
         )
+        self.profiler: Any = None  # ranklens.tracing.profiler.ProfilerWindows, set by init()
         self._pending: list[tuple[Any, dict[str, Any]]] = []
         self._pending_cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="ranklens-flush", daemon=True)
@@ -161,6 +162,11 @@ class Tracer:
                     log.exception("ranklens: cannot write the spool under %s", self.spool_dir)
 
     # -- PyTorch's flight recorder ----------------------------------------------------------
+    @property
+    def kineto_dir(self) -> str:
+        """Where profiler windows of this job attempt go (the collector ingests them)."""
+        return os.path.join(str(self._writer.dir.parent), "kineto")
+
     @property
     def fr_dir(self) -> str:
         """Where this job attempt's flight-recorder dumps go (one file per rank, all ranks in one
@@ -260,6 +266,11 @@ class Tracer:
         if not self.enabled:
             return
         self._stop.set()
+        if self.profiler is not None:
+            try:
+                self.profiler.close()
+            except Exception:
+                log.exception("ranklens: closing the profiler failed")
         with self._pending_cv:
             self._pending_cv.notify_all()
         if threading.current_thread() is not self._thread:
@@ -289,9 +300,14 @@ class Tracer:
         """Time training step ``n``; ``info`` may carry samples, tokens, loss, grad_norm."""
         start = self.clock()
         self._step = n
+        prof = self.profiler
+        if prof is not None:
+            prof.step_started(n)
         try:
             yield
         finally:
+            if prof is not None:
+                prof.step_ended(n)
             try:
                 row = {**self._ident, "step": n, "start_ns": start, "end_ns": self.clock()}
                 self._last_progress = row["end_ns"]
