@@ -87,6 +87,7 @@ def init(
     profile_steps: int = 1,
     profile_trigger: str | None = None,
     profile_signal: int | None = None,
+    otel_provider: Any = None,
 ) -> Tracer | None:
     """Start tracing this rank. Call after ``torch.distributed.init_process_group``.
 
@@ -110,6 +111,9 @@ def init(
             ``<spool>/<job>/<attempt>/profile-now``: ``touch`` it to profile every rank's next step).
         profile_signal: a signal number that starts a window (e.g. ``signal.SIGUSR2``; default none).
             Traces go to ``<spool>/<job>/<attempt>/kineto/`` and the collector ingests them.
+        otel_provider: an OpenTelemetry ``TracerProvider`` to emit one span per step (phases as
+            children). Without it, spans are exported only when the standard OTEL_* variables ask
+            for it (``OTEL_TRACES_EXPORTER``, ``OTEL_EXPORTER_OTLP_ENDPOINT``).
 
     Returns:
         The tracer, or None when disabled by ``RANKLENS_DISABLE=1`` or when setup failed (the
@@ -146,7 +150,12 @@ def init(
             ),
             store=_default_store(dist) if initialized else None,
         )
+        from ranklens.tracing.otel import StepSpans
         from ranklens.tracing.profiler import ProfilerWindows
+
+        tracer.spans = StepSpans.create(
+            otel_provider, job_id=tracer.job_id, attempt=attempt, rank=rank, world_size=world_size
+        )
 
         job_dir = os.path.dirname(tracer.kineto_dir)
         tracer.profiler = ProfilerWindows(

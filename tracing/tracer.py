@@ -104,6 +104,8 @@ class Tracer:
             },
         )
         self.profiler: Any = None  # ranklens.tracing.profiler.ProfilerWindows, set by init()
+        self.spans: Any = None  # ranklens.tracing.otel.StepSpans, set by init() when asked for
+        self._step_phases: list[tuple[str, int, int]] = []
         self._pending: list[tuple[Any, dict[str, Any]]] = []
         self._pending_cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="ranklens-flush", daemon=True)
@@ -266,6 +268,8 @@ class Tracer:
         if not self.enabled:
             return
         self._stop.set()
+        if self.spans is not None:
+            self.spans.shutdown()
         if self.profiler is not None:
             try:
                 self.profiler.close()
@@ -311,6 +315,12 @@ class Tracer:
             try:
                 row = {**self._ident, "step": n, "start_ns": start, "end_ns": self.clock()}
                 self._last_progress = row["end_ns"]
+                if self.spans is not None:
+                    phases, self._step_phases = self._step_phases, []
+                    try:
+                        self.spans.step(n, start, row["end_ns"], phases)
+                    except Exception:
+                        self._drops["spans:error"] += 1
                 for k in ("samples", "tokens", "loss", "grad_norm"):
                     if info.get(k) is not None:
                         row[k] = float(info[k]) if k in ("loss", "grad_norm") else int(info[k])
@@ -328,6 +338,8 @@ class Tracer:
             yield
         finally:
             self._phase, self._phase_start = outer, outer_start
+            if self.spans is not None:
+                self._step_phases.append((name, start, self.clock()))
             try:
                 self.add(
                     "phases",
