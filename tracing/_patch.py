@@ -46,6 +46,12 @@ _inside = threading.local()
 _DTYPES: dict[Any, str] = {}
 
 
+def _is_cuda(x: Any) -> bool:
+    if isinstance(x, (list, tuple)):
+        return bool(x) and _is_cuda(x[0])
+    return bool(getattr(x, "is_cuda", False))
+
+
 def _nbytes(x: Any) -> tuple[int, str]:
     if x is None:
         return 0, ""
@@ -99,6 +105,7 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         row = None
+        cuda_start = None
         if getattr(_inside, "depth", 0):
             return fn(*args, **kwargs)
         if tracer.enabled:
@@ -106,7 +113,8 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
                 group = arg(args, kwargs, "group")
                 if group is None or not dist._rank_not_in_group(group):
                     pg, g = pg_info(group)
-                    nbytes, dtype = _nbytes(arg(args, kwargs, arg_name)) if arg_name else (0, "")
+                    tensor = arg(args, kwargs, arg_name) if arg_name else None
+                    nbytes, dtype = _nbytes(tensor)
                     async_op = bool(arg(args, kwargs, "async_op")) or name in ("isend", "irecv")
                     peer = -1
                     if p2p is not None:
@@ -120,6 +128,9 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
                         src, dst = (me, peer) if p2p == "send" else (peer, me)
                         pg = f"{pg}/p2p:{src}->{dst}"
                     row = tracer.collective_entered(pg, tracer.next_seq(pg), name, nbytes, dtype, peer, async_op)
+                    if _is_cuda(tensor):
+                        # arrival = when the compute stream reaches the collective (a CUDA event)
+                        cuda_start = tracer.cuda_timer().begin()
             except Exception:
                 tracer.count_drop(f"collectives:{name}:record_error")
                 row = None
@@ -137,7 +148,10 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
             _inside.depth = 0
         if row is not None:
             try:
-                if result is not None and hasattr(result, "is_completed"):
+                if cuda_start is not None and not (result is not None and hasattr(result, "is_completed")):
+                    # a sync op: the compute stream waits for it, so an event after it marks completion
+                    tracer.cuda_timer().end(cuda_start, row)
+                elif result is not None and hasattr(result, "is_completed"):
                     try:
                         fut = result.get_future()
                     except RuntimeError:  # e.g. gloo p2p: "Work::getFuture not implemented"

@@ -104,6 +104,8 @@ class Tracer:
             },
         )
         self.profiler: Any = None  # ranklens.tracing.profiler.ProfilerWindows, set by init()
+        self._cuda_timer: Any = None
+        self.clock_error_ns = 0  # worst host/device clock mapping error seen (CUDA timing)
         self.spans: Any = None  # ranklens.tracing.otel.StepSpans, set by init() when asked for
         self._step_phases: list[tuple[str, int, int]] = []
         self._pending: list[tuple[Any, dict[str, Any]]] = []
@@ -270,6 +272,8 @@ class Tracer:
         self._stop.set()
         if self.spans is not None:
             self.spans.shutdown()
+        if self._cuda_timer is not None:
+            self._cuda_timer.close(timeout_s)
         if self.profiler is not None:
             try:
                 self.profiler.close()
@@ -379,14 +383,31 @@ class Tracer:
         self._inflight[(pg, seq)] = row
         return row
 
-    def collective_completed(self, row: dict[str, Any]) -> None:
-        row["end_ns"] = self.clock()
+    def collective_completed(self, row: dict[str, Any], end_ns: int | None = None) -> None:
+        row["end_ns"] = self.clock() if end_ns is None else end_ns
         pg, seq = row["pg"], row["seq"]
         self._inflight.pop((pg, seq), None)
         if seq > self._completed.get(pg, -1):
             self._completed[pg] = seq
         self._last_progress = row["end_ns"]
         self.add("collectives", row)
+
+    def cuda_timer(self) -> Any:
+        """The CUDA event timer (made at the first collective on a CUDA tensor)."""
+        timer = self._cuda_timer
+        if timer is None:
+            import torch
+
+            from ranklens.tracing.timing import CudaEventTimer
+
+            def done(row: dict[str, Any], enter_ns: int, end_ns: int, error_ns: int) -> None:
+                row["enter_ns"] = enter_ns
+                row["clock"] = "cuda"
+                self.clock_error_ns = max(self.clock_error_ns, error_ns)
+                self.collective_completed(row, end_ns)
+
+            timer = self._cuda_timer = CudaEventTimer(torch.cuda, done, clock=self.clock)
+        return timer
 
     def collective_failed(self, row: dict[str, Any]) -> None:
         """The call raised (timeout, peer gone): it is no longer in flight; keep its arrival."""
