@@ -276,9 +276,8 @@ def test_opentelemetry_spans_per_step_with_phase_children(tmp_path):
              otel_provider=provider)  # fmt: skip
     try:
         for i in range(2):
-            with rlt.step(i), rlt.phase("forward"):
-                with rlt.phase("attention"):
-                    pass
+            with rlt.step(i), rlt.phase("forward"), rlt.phase("attention"):
+                pass
     finally:
         rlt.shutdown()
     spans = exporter.get_finished_spans()
@@ -304,3 +303,34 @@ def test_opentelemetry_off_by_default(tmp_path, monkeypatch):
         assert t is not None and t.spans is None
     finally:
         rlt.shutdown()
+
+
+def test_dataloader_waits_are_timed_automatically(tmp_path):
+    import time as _time
+
+    import torch
+
+    import ranklens.tracing as rlt
+
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            _time.sleep(0.02)
+            return torch.ones(2)
+
+    rlt.init(job_id="dl", spool_dir=str(tmp_path), rank=0, world_size=1, patch_distributed=False)
+    try:
+        loader = torch.utils.data.DataLoader(Slow(), batch_size=2)
+        for i, _batch in enumerate(loader):
+            with rlt.step(i), rlt.phase("data"):  # an explicit data phase is not doubled
+                pass
+        it = iter(loader)
+        with rlt.step(9):
+            next(it)
+    finally:
+        rlt.shutdown()
+    data = [p for p in _segments(tmp_path, "phases") if p["phase"] == "data"]
+    auto = [p for p in data if p["step"] == 9]
+    assert len(auto) == 1 and auto[0]["end_ns"] - auto[0]["start_ns"] >= 30_000_000  # two 20 ms items

@@ -88,6 +88,7 @@ def init(
     profile_trigger: str | None = None,
     profile_signal: int | None = None,
     otel_provider: Any = None,
+    dataloader: bool = True,
 ) -> Tracer | None:
     """Start tracing this rank. Call after ``torch.distributed.init_process_group``.
 
@@ -111,6 +112,7 @@ def init(
             ``<spool>/<job>/<attempt>/profile-now``: ``touch`` it to profile every rank's next step).
         profile_signal: a signal number that starts a window (e.g. ``signal.SIGUSR2``; default none).
             Traces go to ``<spool>/<job>/<attempt>/kineto/`` and the collector ingests them.
+        dataloader: time every DataLoader ``next()`` as a ``data`` phase (automatic input-wait timing).
         otel_provider: an OpenTelemetry ``TracerProvider`` to emit one span per step (phases as
             children). Without it, spans are exported only when the standard OTEL_* variables ask
             for it (``OTEL_TRACES_EXPORTER``, ``OTEL_EXPORTER_OTLP_ENDPOINT``).
@@ -182,6 +184,13 @@ def init(
                 from ranklens.tracing import _ddp
 
                 _ddp.patch_ddp(tracer)
+        if dataloader:
+            try:
+                from ranklens.tracing import _dataloader
+
+                _dataloader.patch_dataloader(tracer)
+            except Exception:
+                log.exception("ranklens: could not instrument DataLoader; input waits are not timed")
         _tracer = tracer
         atexit.register(shutdown)
         os.register_at_fork(after_in_child=tracer._after_fork_in_child)
@@ -199,10 +208,11 @@ def shutdown(timeout_s: float = 5.0) -> None:
         return
     try:
         t.shutdown(timeout_s)
-        from ranklens.tracing import _ddp, _patch
+        from ranklens.tracing import _dataloader, _ddp, _patch
 
         _patch.unpatch()
         _ddp.unpatch_ddp()
+        _dataloader.unpatch_dataloader()
     except Exception:
         log.exception("ranklens: shutdown failed")
     _tracer = None
