@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ranklens.analyzers.blame import BlameMatrix, compute_blame, latest_job
-from ranklens.analyzers.detectors import Detection, PersistentBlameDetector, StragglerDetector
+from ranklens.analyzers.detectors import Detection, PeerComputeDetector, PersistentBlameDetector, StragglerDetector
 from ranklens.analyzers.findings import Finding, Severity, Suspect, latest_findings, save_findings
 from ranklens.analyzers.straggler import find_stragglers
 
@@ -11,6 +11,7 @@ __all__ = [
     "BlameMatrix",
     "Detection",
     "Finding",
+    "PeerComputeDetector",
     "PersistentBlameDetector",
     "Severity",
     "StragglerDetector",

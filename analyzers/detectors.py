@@ -7,13 +7,13 @@ A detector takes a :class:`~ranklens.analyzers.blame.BlameMatrix` and returns
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from ranklens.analyzers.blame import BlameMatrix
 
-__all__ = ["Detection", "PersistentBlameDetector", "StragglerDetector"]
+__all__ = ["Detection", "PeerComputeDetector", "PeerDetection", "PersistentBlameDetector", "StragglerDetector"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +96,73 @@ def _densest_segment(hot: np.ndarray, persistence: float) -> tuple[int, int] | N
         if h and cur > best:
             best, best_seg = cur, (cur_start, j)
     return best_seg
+
+
+@dataclass(frozen=True)
+class PeerDetection:
+    rank: int
+    onset_index: int  # into ComputeMatrix.steps
+    last_index: int
+    persistence: float
+    hot_steps: int
+    steps_since_onset: int
+    excess_s: np.ndarray  # per step of the segment: compute above the peers' median
+    ratio: float  # median compute / peers' median over the segment
+
+
+@dataclass(frozen=True)
+class PeerComputeDetector:
+    """A rank is a straggler when it computes persistently longer than its peers.
+
+    A step is *hot* for rank r when its compute time exceeds its peer group's median by at least
+    ``min_excess_ratio`` of that median and ``min_excess_s``, and by ``z`` robust deviations
+    (MAD) of the group. As for blame, the finding spans the densest run of hot steps (share
+    ``persistence``, at least ``min_hot_steps``), which gives the onset. Waiting is not compute, so
+    victims of a slow peer are never hot; a stage that is slower by design is compared with itself.
+    """
+
+    min_excess_ratio: float = 0.05
+    min_excess_s: float = 0.002
+    z: float = 3.0
+    persistence: float = 0.7
+    min_hot_steps: int = 3
+    name: str = "peer_compute"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.persistence < 1:
+            raise ValueError(f"persistence={self.persistence} must be in (0, 1)")
+        if self.min_excess_ratio < 0 or self.min_excess_s < 0 or self.z < 0 or self.min_hot_steps < 1:
+            raise ValueError("thresholds must be >= 0 and min_hot_steps >= 1")
+
+    def detect(self, cm: Any) -> list[PeerDetection]:
+        if cm.empty:
+            return []
+        out: list[PeerDetection] = []
+        compute = cm.compute_s
+        for label in np.unique(cm.peer_group):
+            idx = np.flatnonzero(cm.peer_group == label)
+            if len(idx) < 3:
+                continue  # no robust baseline with fewer than three peers
+            block = compute[idx]
+            with np.errstate(all="ignore"):
+                med = np.nanmedian(block, axis=0)
+                mad = np.nanmedian(np.abs(block - med), axis=0) * 1.4826
+            excess = block - med
+            threshold = np.maximum(np.maximum(self.min_excess_ratio * med, self.min_excess_s), self.z * mad)
+            hot_all = np.nan_to_num(excess, nan=-1.0) >= threshold
+            for k, i in enumerate(idx):
+                hot = hot_all[k]
+                if hot.sum() < self.min_hot_steps:
+                    continue
+                seg = _densest_segment(hot, self.persistence)
+                if seg is None:
+                    continue
+                a, b = seg
+                n_hot = int(hot[a : b + 1].sum())
+                if n_hot < self.min_hot_steps:
+                    continue
+                ex = np.nan_to_num(excess[k, a : b + 1])
+                with np.errstate(all="ignore"):
+                    ratio = float(np.nanmedian(block[k, a : b + 1]) / np.nanmedian(med[a : b + 1]))
+                out.append(PeerDetection(int(cm.ranks[i]), a, b, n_hot / (b - a + 1), n_hot, b - a + 1, ex, ratio))
+        return out

@@ -86,6 +86,7 @@ class LiveRank:
     entered: dict[str, int] = field(default_factory=dict)
     completed: dict[str, int] = field(default_factory=dict)
     pending: dict[tuple[str, int], tuple[str, int, int]] = field(default_factory=dict)  # -> (op, nbytes, enter_ns)
+    exited: bool = False  # shut tracing down cleanly: finished, not dead
 
 
 def pid_alive_local(host: str, pid: int) -> bool | None:
@@ -123,6 +124,7 @@ def _heartbeat_sql(job_id: str, attempt: int) -> str:
         "pending_ops",
         "pending_nbytes",
         "pending_enter_ns",
+        "exited",
     )
     latest = ", ".join(f"argMax({c}, ts_ns) AS hb_{c}" for c in cols)
     return (
@@ -153,6 +155,7 @@ def _load_ranks(store: Store, job_id: str, attempt: int) -> dict[int, LiveRank]:
             entered=dict(zip(h["pgs"], map(int, h["pg_entered"]))),
             completed=dict(zip(h["pgs"], map(int, h["pg_completed"]))),
             pending=pending,
+            exited=bool(h["exited"]),
         )
     return out
 
@@ -228,6 +231,8 @@ def detect_live_hangs(
         return []
     if now - max(r.ts_ns for r in ranks.values()) > cfg.live_window_s * 1e9:
         return []  # no rank has spoken for a long time: the job is over, not hung
+    if all(r.exited for r in ranks.values()):
+        return []  # every rank shut down cleanly: the job finished
     world_q = store.query(
         f"SELECT max(world_size) FROM ranks WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
     )
@@ -388,7 +393,11 @@ def _dead_ranks(
     died without a failing collective (or, failing that, fell silent first) is the origin. A rank
     that never sent a heartbeat (it died within the first flush interval) counts when its exit
     code is known."""
-    dead = sorted(r for r, hb in ranks.items() if stale(r) and (r in exit_codes or pid_alive(hb.host, hb.pid) is False))
+    dead = sorted(
+        r
+        for r, hb in ranks.items()
+        if not hb.exited and stale(r) and (r in exit_codes or pid_alive(hb.host, hb.pid) is False)
+    )
     dead += sorted(r for r in range(world) if r not in ranks and r in exit_codes)
     dead = [r for r in dead if r not in roots]
     if not dead:

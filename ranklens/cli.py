@@ -107,11 +107,18 @@ def version() -> None:
     help="Compute-time factor of the slowed rank (1.5 = its compute takes 50% longer).",
 )
 @click.option("--slow-from-step", type=int, default=5, show_default=True, help="First slowed step.")
+@click.option(
+    "--slow-phase",
+    type=click.Choice(["forward", "backward", "data"]),
+    default="forward",
+    show_default=True,
+    help="Which phase of the slowed rank is slow (compute forward/backward, or data loading).",
+)
 @click.option("--steps", type=click.IntRange(5, 100000), default=30, show_default=True, help="Training steps.")
 @click.option(
     "--compute-ms",
     type=click.FloatRange(1, 10000),
-    default=60.0,
+    default=80.0,
     show_default=True,
     help="Per-step device time of a healthy rank.",
 )
@@ -128,6 +135,7 @@ def demo(
     compute_ms: float,
     healthy: bool,
     as_json: bool,
+    slow_phase: str,
 ) -> None:
     """Run a real multi-rank training job (gloo, CPU, DDP + an extra process group) with one rank
     slowed, collect it into the store while it runs, analyze it and print what is wrong."""
@@ -153,6 +161,7 @@ def demo(
         steps=steps,
         slow_from_step=slow_from_step,
         compute_ms=compute_ms,
+        slow_phase=slow_phase,
         log=lambda s: say("  " + s),
         on_step=on_step,
     )

@@ -27,7 +27,7 @@ __all__ = [
     "table",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCALARS = {"Int32", "Int64", "UInt8", "UInt32", "UInt64", "Float64", "String"}
 
@@ -289,6 +289,7 @@ _table(
         _c("pending_ops", "Array(String)", "in flight: op"),
         _c("pending_nbytes", "Array(Int64)", "in flight: bytes"),
         _c("pending_enter_ns", "Array(Int64)", "in flight: arrival time"),
+        _c("exited", "UInt8", "1 on the last heartbeat of a rank that shut tracing down cleanly"),
     ],
     ("job_id", "attempt", "rank", "ts_ns"),
     "one row per rank x heartbeat interval",

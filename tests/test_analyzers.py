@@ -34,8 +34,10 @@ def test_names_the_slow_rank_with_onset_and_impact(store):
     assert [s.rank for s in f.suspects] == [2]
     assert f.suspects[0].node == "node1"
     assert f.first_seen_step == 5 and f.last_seen_step == 19
-    # extra 50 ms per step for 15 steps; others waited ~that much each step
-    assert f.evidence["delay_per_step_s"] == pytest.approx(0.05, abs=0.006)
+    # extra 50 ms of compute per step for 15 steps; the others waited about that much each step
+    assert f.evidence["excess_per_step_s"] == pytest.approx(0.05, abs=0.006)
+    assert f.evidence["others_waited_per_step_s"] == pytest.approx(0.05, abs=0.006)
+    assert f.detector == "peer_compute"
     assert f.impact_s == pytest.approx(15 * 0.05, rel=0.15)
     assert f.impact_gpu_s == pytest.approx(3 * f.impact_s, rel=0.01)  # three ranks waited
     assert f.kind == "straggler" and f.state == "open" and f.confidence > 0.9

@@ -256,6 +256,7 @@ class Tracer:
             "pending_ops": [r["op"] for r in inflight],
             "pending_nbytes": [r["nbytes"] for r in inflight],
             "pending_enter_ns": [r["enter_ns"] for r in inflight],
+            "exited": int(self._stop.is_set()),
         }
 
     def _run(self) -> None:

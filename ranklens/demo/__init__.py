@@ -60,7 +60,8 @@ def run_demo(
     slowdown: float = 1.5,
     steps: int = 30,
     slow_from_step: int = 5,
-    compute_ms: float = 60.0,
+    compute_ms: float = 80.0,
+    slow_phase: str = "forward",
     timeout_s: float = 600.0,
     log: Callable[[str], None] = lambda s: None,
     on_step: Callable[[int], None] | None = None,
@@ -79,6 +80,8 @@ def run_demo(
             raise ConfigError(f"--slow-rank {slow_rank} is not a rank of a {ranks}-rank job (0..{ranks - 1})")
         if slowdown <= 1.0:
             raise ConfigError(f"--slowdown {slowdown}: must be > 1 (1.5 = compute takes 50% longer)")
+        if slow_phase not in ("forward", "backward", "data"):
+            raise ConfigError(f"--slow-phase {slow_phase!r}: choose forward, backward or data")
         if not 0 <= slow_from_step < steps:
             raise ConfigError(f"--slow-from-step {slow_from_step} must be in 0..{steps - 1}")
     job_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -105,6 +108,8 @@ def run_demo(
             str(slowdown),
             "--slow-from-step",
             str(slow_from_step),
+            "--slow-phase",
+            slow_phase,
         ]
     procs = []
     start = time.monotonic()
@@ -125,7 +130,7 @@ def run_demo(
     log(
         f"job {job_id}: {ranks} ranks x {steps} steps on gloo"
         + (
-            f", rank {slow_rank} slowed {slowdown}x from step {slow_from_step}"
+            f", rank {slow_rank}'s {slow_phase} slowed {slowdown}x from step {slow_from_step}"
             if slow_rank is not None
             else ", healthy"
         )

@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slowdown", type=float, default=1.0)
     p.add_argument("--slow-from-step", type=int, default=0)
-    p.add_argument("--compute-ms", type=float, default=60.0)
+    p.add_argument("--compute-ms", type=float, default=80.0)
+    p.add_argument("--slow-phase", choices=("forward", "backward", "data"), default="forward")
     p.add_argument("--report-steps", action="store_true", help="rank 0 prints 'steptime <seconds>' per step")
     args = p.parse_args(argv)
 
@@ -44,22 +45,28 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(1000 + rank)
 
+    def stretch(phase: str, base_s: float) -> float:
+        """The emulated device (or input) time of a phase: the same on every rank, stretched on
+        the slowed rank's chosen phase from the chosen step."""
+        if rank == args.slow_rank and step >= args.slow_from_step and phase == args.slow_phase:
+            return base_s * args.slowdown
+        return base_s
+
     for step in range(args.steps):
         step_start = time.perf_counter()
         with rlt.step(step, samples=32):
             with rlt.phase("data"):
                 x = torch.randn(32, 64, generator=gen)
                 y = torch.randn(32, 8, generator=gen)
-                time.sleep(0.005)
+                time.sleep(stretch("data", args.compute_ms / 4000.0))
             with rlt.phase("forward"):
                 t = time.perf_counter()
                 loss = nn.functional.mse_loss(ddp(x), y)
-                # The "device" time of this step: the same for every rank, stretched on the slow one.
-                device_s = args.compute_ms / 1000.0
-                if rank == args.slow_rank and step >= args.slow_from_step:
-                    device_s *= args.slowdown
-                time.sleep(max(0.0, device_s - (time.perf_counter() - t)))
+                time.sleep(max(0.0, stretch("forward", args.compute_ms / 2000.0) - (time.perf_counter() - t)))
             with rlt.phase("backward"):
+                # backward compute comes before the gradient buckets are ready, so a slow backward
+                # delays this rank's DDP all-reduces
+                time.sleep(stretch("backward", args.compute_ms / 2000.0))
                 loss.backward()  # DDP bucket all-reduces: traced (init() instruments DDP)
             with rlt.phase("optimizer"):
                 opt.step()

@@ -1,0 +1,147 @@
+"""Peer-aware straggler metric: how long each rank *computes* per step, compared with its peers.
+
+A rank that waits for a slow peer has a long step but a short compute time; the slow rank itself
+has the long compute time. So the metric is, per (rank, step), the step's duration minus the time
+the rank spent inside collectives (``end - enter`` of its calls in that step, clipped to the step),
+and the same per phase. It is measured on each rank's own clock, so clock skew between hosts does
+not touch it. Peers are ranks doing the same work: the same pipeline stage when the ``ranks`` table
+knows the coordinate, else every rank of the job.
+
+Everything heavy is SQL in the store (chDB or ClickHouse >= 18.16); Python shapes matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ranklens.store.api import Store
+
+__all__ = ["ComputeMatrix", "compute_matrix", "compute_sql", "phase_compute_sql"]
+
+
+def _esc(s: str) -> str:
+    return s.replace("\\", "\\\\").replace("'", "\\'")
+
+
+def _waits_subquery(job_id: str, attempt: int) -> str:
+    return (
+        "SELECT rank, step, groupArray(enter_ns) AS enters, groupArray(if(end_ns > 0, end_ns, enter_ns)) AS ends, "
+        "groupArray(async_op) AS asyncs "
+        f"FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= 0 "
+        "GROUP BY rank, step"
+    )
+
+
+# Time a rank was blocked in collectives issued within [start_ns, end_ns), clipped to it:
+# - a synchronous call blocks from its arrival to its completion;
+# - asynchronous calls (DDP's gradient buckets) overlap the rank's own compute: it is blocked only
+#   after it issued the last of them, until the last completes.
+_IN = "(e >= start_ns AND e < end_ns)"
+_WAIT_EXPR = (
+    f"arraySum(arrayMap((e, x, a) -> if(a = 0 AND {_IN}, greatest(least(x, end_ns) - e, 0), 0), enters, ends, asyncs))"
+    " + if(empty(enters), 0, greatest("
+    f"least(arrayReduce('max', arrayMap((e, x, a) -> if(a = 1 AND {_IN}, x, 0), enters, ends, asyncs)), end_ns)"
+    f" - arrayReduce('max', arrayMap((e, x, a) -> if(a = 1 AND {_IN}, e, 0), enters, ends, asyncs)), 0))"
+)
+
+
+def compute_sql(job_id: str, attempt: int) -> str:
+    """Per (rank, step): step duration and time inside collectives."""
+    return f"""
+SELECT rank, step, end_ns - start_ns AS dur_ns, {_WAIT_EXPR} AS wait_ns, start_ns
+FROM (SELECT rank, step, start_ns, end_ns FROM steps WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}) AS s
+ALL LEFT JOIN ({_waits_subquery(job_id, attempt)}) AS c USING (rank, step)
+ORDER BY step, rank
+""".strip()
+
+
+def phase_compute_sql(job_id: str, attempt: int, ranks: list[int] | None = None) -> str:
+    """Per (rank, step, phase): phase duration and time inside collectives (optionally for some ranks)."""
+    only = f" AND rank IN ({', '.join(str(int(r)) for r in ranks)})" if ranks else ""
+    return f"""
+SELECT rank, step, phase, end_ns - start_ns AS dur_ns, {_WAIT_EXPR} AS wait_ns
+FROM (SELECT rank, step, phase, start_ns, end_ns FROM phases
+      WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}{only}) AS p
+ALL LEFT JOIN ({_waits_subquery(job_id, attempt)}) AS c USING (rank, step)
+""".strip()
+
+
+@dataclass(frozen=True)
+class ComputeMatrix:
+    """Per rank x step (seconds): ``compute_s`` = step minus collective time, ``step_s`` the step."""
+
+    job_id: str
+    attempt: int
+    ranks: np.ndarray
+    steps: np.ndarray
+    compute_s: np.ndarray  # nan where the rank has no record of the step
+    step_s: np.ndarray
+    step_start_ns: np.ndarray  # per step: earliest start
+    peer_group: np.ndarray  # per rank: a peer-group label (same label, same work)
+    hosts: dict[int, str]
+    sql: str
+
+    @property
+    def empty(self) -> bool:
+        return self.compute_s.size == 0
+
+
+def _peer_groups(store: Store, job_id: str, attempt: int, ranks: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
+    r = store.query(
+        f"SELECT rank, any(host) AS h, max(pp) AS stage FROM ranks WHERE job_id = '{_esc(job_id)}' "
+        f"AND attempt = {int(attempt)} GROUP BY rank"
+    )
+    hosts: dict[int, str] = {}
+    stage: dict[int, int] = {}
+    for rank, host, pp in r.rows():
+        hosts[int(rank)] = str(host)
+        stage[int(rank)] = int(pp)
+    labels = np.array([stage.get(int(x), -1) for x in ranks], dtype=np.int64)
+    return labels, hosts
+
+
+def compute_matrix(store: Store, job_id: str, attempt: int = 0) -> ComputeMatrix:
+    """Run the compute metric in the store and shape it as rank x step matrices."""
+    sql = compute_sql(job_id, attempt)
+    r = store.query(sql)
+    if r.num_rows == 0:
+        z = np.zeros((0, 0))
+        return ComputeMatrix(job_id, attempt, np.array([], np.int64), np.array([], np.int64), z, z,
+                             np.array([], np.int64), np.array([], np.int64), {}, sql)  # fmt: skip
+    rank = r.column("rank").astype(np.int64)
+    step = r.column("step").astype(np.int64)
+    dur = r.column("dur_ns").astype(np.float64) / 1e9
+    wait = np.minimum(r.column("wait_ns").astype(np.float64) / 1e9, dur)
+    start = r.column("start_ns").astype(np.int64)
+    ranks, ri = np.unique(rank, return_inverse=True)
+    steps, si = np.unique(step, return_inverse=True)
+    compute = np.full((len(ranks), len(steps)), np.nan)
+    step_s = np.full((len(ranks), len(steps)), np.nan)
+    compute[ri, si] = dur - wait
+    step_s[ri, si] = dur
+    step_start = np.full(len(steps), np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(step_start, si, start)
+    labels, hosts = _peer_groups(store, job_id, attempt, ranks)
+    return ComputeMatrix(job_id, attempt, ranks, steps, compute, step_s, step_start, labels, hosts, sql)
+
+
+def phase_excess(store: Store, cm: ComputeMatrix, rank: int, steps: np.ndarray) -> dict[str, float]:
+    """For one rank over some steps: median excess compute (s) per phase over its peers' median."""
+    group = cm.peer_group[int(np.searchsorted(cm.ranks, rank))]
+    peers = [int(r) for r, g in zip(cm.ranks, cm.peer_group) if g == group]
+    r = store.query(phase_compute_sql(cm.job_id, cm.attempt, peers))
+    if r.num_rows == 0:
+        return {}
+    want = set(int(s) for s in steps)
+    by: dict[tuple[str, int], dict[int, float]] = {}
+    for rk, st, phase, dur, wait in r.rows():
+        if int(st) in want:
+            by.setdefault((str(phase), int(st)), {})[int(rk)] = (float(dur) - min(float(wait), float(dur))) / 1e9
+    out: dict[str, list[float]] = {}
+    for (phase, _st), vals in by.items():
+        if rank in vals and len(vals) > 1:
+            others = [v for k, v in vals.items() if k != rank]
+            out.setdefault(phase, []).append(vals[rank] - float(np.median(others)))
+    return {phase: float(np.median(xs)) for phase, xs in out.items()}
