@@ -19,6 +19,7 @@ import click
 from ranklens import __version__
 from ranklens.config import ENV_STORE
 from ranklens.errors import EXIT_CODES, NotFound, RanklensError
+from ranklens.errors import StoreUnavailable as StoreUnavailableError
 
 __all__ = ["main"]
 
@@ -332,8 +333,16 @@ def analyze(
     engine = _engine(policy_file, store, outbox_dir) if act else None
     try:
         if follow:
-            _follow(store, job_id, attempt, as_json=as_json, save=not no_save, interval=interval, engine=engine,
-                    metrics_port=metrics_port)  # fmt: skip
+            _follow(
+                store,
+                job_id,
+                attempt,
+                as_json=as_json,
+                save=not no_save,
+                interval=interval,
+                engine=engine,
+                metrics_port=metrics_port,
+            )
             return
         findings = analyze_job(store, job_id, attempt)
         if not no_save:
@@ -377,9 +386,16 @@ def _print_report(report: Any) -> None:
 
 
 def _follow(
-    store: Any, job_id: str, attempt: int, *, as_json: bool, save: bool, interval: float, engine: Any = None,
+    store: Any,
+    job_id: str,
+    attempt: int,
+    *,
+    as_json: bool,
+    save: bool,
+    interval: float,
+    engine: Any = None,
     metrics_port: int | None = None,
-) -> None:  # fmt: skip
+) -> None:
     import time
 
     from ranklens.analyzers import save_findings
@@ -607,48 +623,125 @@ def _fmt(v: Any) -> str:
 @cli.command(epilog=_EPILOG)
 @_store_option
 @click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Collector config file (TOML: [collector], [[logs]], [filter], [[rules]]).",
+)
+@click.option(
     "--spool",
     "spool_dir",
     envvar="RANKLENS_SPOOL",
-    default="/tmp/ranklens-spool",
-    show_default=True,
-    help="Spool root the tracers write (env RANKLENS_SPOOL).",
+    default=None,
+    help="Spool root the tracers write (env RANKLENS_SPOOL; default /tmp/ranklens-spool).",
 )
-@click.option("--follow", is_flag=True, help="Keep shipping until interrupted.")
 @click.option(
-    "--interval",
-    type=click.FloatRange(0.05, 3600),
-    default=1.0,
-    show_default=True,
-    help="Seconds between passes.",
+    "--follow",
+    is_flag=True,
+    help="Run as the node agent until interrupted (SIGTERM/Ctrl-C): ship "
+    "spools, tail logs, sample GPUs, serve metrics.",
 )
+@click.option("--interval", type=click.FloatRange(0.05, 3600), default=None, help="Seconds between shipping passes.")
+@click.option(
+    "--logs",
+    "log_globs",
+    multiple=True,
+    metavar="GLOB",
+    help="Log files to follow and filter at the source (repeatable; with --follow).",
+)
+@click.option(
+    "--rules",
+    "rules_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Log filter rules (TOML), replacing the config file's.",
+)
+@click.option("--nvml/--no-nvml", default=None, help="Sample GPUs through NVML (default: when available).")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (with --follow).",
+)
+@click.option("--metrics-addr", default=None, help="Address the metrics endpoint binds (default 0.0.0.0).")
 @_errors
-def collect(store_url: str | None, spool_dir: str, follow: bool, interval: float) -> None:
-    """Ship rank spools into the store (a segment is deleted only after the store has it)."""
-    from ranklens.collector import Shipper
+def collect(
+    store_url: str | None,
+    config_file: str | None,
+    spool_dir: str | None,
+    follow: bool,
+    interval: float | None,
+    log_globs: tuple[str, ...],
+    rules_file: str | None,
+    nvml: bool | None,
+    metrics_port: int | None,
+    metrics_addr: str | None,
+) -> None:
+    """The per-node collector: ships rank spools into the store (a segment is deleted only after the
+    store has it); with --follow, runs as the node agent that also filters logs at the source,
+    samples GPU health (NVML) and exposes Prometheus metrics."""
+    from ranklens.collector.agent import Agent, load_config
 
+    cfg = load_config(
+        config_file,
+        spool_dir=spool_dir,
+        log_globs=list(log_globs) or None,
+        rules_file=rules_file,
+        nvml=nvml,
+        metrics_port=metrics_port,
+        metrics_addr=metrics_addr,
+        ship_interval_s=interval,
+    )
     store = _open(store_url)
-    shipper = Shipper(spool_dir, store)
-
-    def report(r: Any) -> None:
-        if r.segments or r.quarantined or r.error:
-            parts = [f"{r.segments} segment(s)", ", ".join(f"{k} {v}" for k, v in sorted(r.rows.items()))]
-            if r.quarantined:
-                parts.append(f"{r.quarantined} quarantined")
-            if r.error:
-                parts.append(f"store error, kept for retry: {r.error}")
-            click.echo("collect: " + "; ".join(p for p in parts if p), err=True)
-
     if not follow:
-        r = shipper.ship_once()
-        report(r)
+        from ranklens.collector import Shipper
+
+        r = Shipper(cfg.spool_dir, store).ship_once()
+        parts = [f"{r.segments} segment(s)", ", ".join(f"{k} {v}" for k, v in sorted(r.rows.items()))]
+        if r.quarantined:
+            parts.append(f"{r.quarantined} quarantined")
+        click.echo("collect: " + "; ".join(p for p in parts if p), err=True)
         if r.error:
-            raise RanklensError(r.error)
+            raise StoreUnavailableError(r.error)
         return
-    try:
-        shipper.run(interval_s=interval, on_pass=report)
-    except KeyboardInterrupt:
-        shipper.ship_once()
+    click.echo(f"ranklens collector: spool {cfg.spool_dir} -> {store.url} (Ctrl-C to stop)", err=True)
+    Agent(cfg, store=store).run()
+
+
+@cli.group()
+def logs() -> None:
+    """Log filtering at the source, offline."""
+
+
+@logs.command("classify")
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--rules",
+    "rules_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Rules file (TOML) instead of the built-in rules.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per kept event.")
+@_errors
+def logs_classify(files: tuple[str, ...], rules_file: str | None, as_json: bool) -> None:
+    """Run the source log filter over FILES and print the events it keeps (classes, severity,
+    context, collapsed repeats); everything else is dropped and counted."""
+    from ranklens.collector.logfilter import classify_paths
+
+    n = 0
+    for ev in classify_paths(list(files), rules_file):
+        n += 1
+        if as_json:
+            click.echo(json.dumps(ev.to_json(), default=_json_default))
+        else:
+            d = ev.to_json()
+            first = str(d.get("message", "")).splitlines()[0][:160] if d.get("message") else ""
+            rep = f" (x{d['repeat_count']})" if d.get("repeat_count", 1) > 1 else ""
+            click.echo(f"{d.get('severity', ''):8s} {d.get('klass', d.get('class', '')):18s} {first}{rep}")
+    if not as_json:
+        click.echo(f"({n} event{'s' if n != 1 else ''} kept)", err=True)
 
 
 @cli.command(epilog=_EPILOG)
@@ -764,6 +857,11 @@ def schema(target: str, database: str, cluster: str) -> None:
                 f"-- {t.doc}\nCREATE VIEW {t.name} AS SELECT * FROM file('<store>/parts/{t.name}/<parts>', "
                 f"Parquet, '{t.structure()}');"
             )
+
+
+from ranklens.simulate_cli import simulate_command  # noqa: E402 - registered below the group
+
+cli.add_command(simulate_command, "simulate")
 
 
 def main() -> None:

@@ -1,0 +1,459 @@
+"""The per-node agent: one object that runs every collector loop and stops them cleanly.
+
+Loops (each a daemon thread, each surviving its own errors):
+
+- **ship**: the :class:`~ranklens.collector.shipper.Shipper` moves spool segments (rank spools
+  and the collector's own) into the store; a segment is deleted only after the store has it;
+- **logs**: a :class:`~ranklens.collector.tailer.Tailer` follows log globs, filters at the
+  source, and commits events to the local spool (offsets are saved only after that);
+- **gpu**: a :class:`~ranklens.collector.nvml.GpuSampler` reads NVML every ``nvml_interval_s``
+  (off, with one log line, where there is no GPU);
+- **metrics**: ``/metrics`` for Prometheus on ``metrics_port``.
+
+Everything the agent produces goes to disk first (``<spool>/_collector/<host>/``), so a store
+that is down costs disk, never rows. :meth:`Agent.stop` flushes the producers, makes one last
+shipping pass and returns within its timeout.
+
+Configuration: keyword arguments (:class:`AgentConfig`) and one TOML file (:func:`load_config`)::
+
+    [collector]
+    spool_dir = "/var/lib/ranklens/spool"   # env RANKLENS_SPOOL via the CLI
+    host = "node-17"                        # default: this host's name
+    ship_interval_s = 1.0
+    commit_interval_s = 2.0                 # how often log events / GPU samples are written
+    metrics_port = 9400                     # omit: no endpoint; 0: any free port
+    metrics_addr = "0.0.0.0"
+    nvml = true                             # true, false, or omit for "when available"
+    nvml_interval_s = 1.0
+    shutdown_timeout_s = 10.0
+
+    [[logs]]
+    glob = "/var/log/training/*/rank-*.log"
+    stream = "stdout"
+    rank_pattern = "rank-(\\\\d+)"
+
+    [filter]                                # and [[rules]]: see ranklens.collector.rules
+    context_lines = 3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ranklens.collector.metrics import CollectorMetrics, MetricsServer
+from ranklens.collector.nvml import GpuSampler
+from ranklens.collector.outbox import COLLECTOR_DIR, Outbox
+from ranklens.collector.rules import RuleSet, load_rules, read_config_file, rules_from_config
+from ranklens.collector.shipper import COMPACT_EVERY, Shipper
+from ranklens.collector.tailer import LogSource, Tailer
+from ranklens.config import DEFAULT_SPOOL_DIR
+from ranklens.errors import ConfigError
+from ranklens.store.api import Store
+
+__all__ = ["Agent", "AgentConfig", "load_config"]
+
+log = logging.getLogger("ranklens.collector")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What the agent does. Every field can come from the config file or a keyword argument.
+
+    Args:
+        spool_dir: spool root (rank spools and the collector's own segments).
+        logs: log sources to follow (none: no log tailing).
+        rules: the log filter's rule set (default: built-in rules).
+        engine: log filter search engine (``auto``, ``hyperscan``, ``re2``, ``re``).
+        state_dir: where the tailer keeps offsets (default: ``<spool>/_collector/<host>/state``).
+        host: node name (default: this host's name).
+        nvml: True: sample GPUs (log once if impossible); False: never; None: when available.
+        nvml_interval_s: seconds between GPU samples.
+        metrics_port: ``/metrics`` port (None: no endpoint; 0: any free port).
+        metrics_addr: address the endpoint binds.
+        ship_interval_s: seconds between shipping passes.
+        log_poll_interval_s: seconds between log reads.
+        commit_interval_s: seconds between writes of log events and GPU samples to the spool.
+        shutdown_timeout_s: default bound of :meth:`Agent.stop`.
+    """
+
+    spool_dir: str = DEFAULT_SPOOL_DIR
+    logs: tuple[LogSource, ...] = ()
+    rules: RuleSet | None = None
+    engine: str = "auto"
+    state_dir: str | None = None
+    host: str = ""
+    nvml: bool | None = None
+    nvml_interval_s: float = 1.0
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
+    ship_interval_s: float = 1.0
+    log_poll_interval_s: float = 0.25
+    commit_interval_s: float = 2.0
+    shutdown_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("nvml_interval_s", "ship_interval_s", "log_poll_interval_s", "commit_interval_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.01 <= v <= 3600:
+                raise ConfigError(f"collector {name}={v!r}: allowed 0.01..3600 seconds")
+        if not isinstance(self.shutdown_timeout_s, (int, float)) or not 0 < self.shutdown_timeout_s <= 600:
+            raise ConfigError(f"collector shutdown_timeout_s={self.shutdown_timeout_s!r}: allowed 0..600 seconds")
+        if self.metrics_port is not None and (
+            isinstance(self.metrics_port, bool)
+            or not isinstance(self.metrics_port, int)
+            or not 0 <= self.metrics_port <= 65535
+        ):
+            raise ConfigError(f"collector metrics_port={self.metrics_port!r}: allowed 0..65535 (0: any free port)")
+        if self.nvml not in (None, True, False):
+            raise ConfigError(f"collector nvml={self.nvml!r}: allowed true, false (omit: when available)")
+
+    @property
+    def hostname(self) -> str:
+        return self.host or socket.gethostname()
+
+
+_COLLECTOR_KEYS = {f.name for f in dataclasses.fields(AgentConfig)} - {"logs", "rules"}
+_SOURCE_KEYS = {f.name for f in dataclasses.fields(LogSource)}
+
+
+def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> AgentConfig:
+    """An :class:`AgentConfig` from a TOML/YAML file (``[collector]``, ``[[logs]]``, ``[filter]``,
+    ``[[rules]]``) with keyword ``overrides`` on top (a None override is ignored).
+
+    ``overrides`` may also hold ``log_globs`` (a list of globs added as ``file`` sources) and
+    ``rules_file`` (a separate rule file; it replaces the rules of the config file).
+
+    Raises:
+        ConfigError: naming the file, the key, the value and what is allowed.
+    """
+    data: Mapping[str, Any] = read_config_file(path) if path else {}
+    where = str(path) if path else "arguments"
+    unknown_sections = set(data) - {"collector", "logs", "filter", "rules"}
+    if unknown_sections:
+        raise ConfigError(
+            f"{where}: unknown section(s) {sorted(unknown_sections)}; allowed: collector, logs, filter, rules"
+        )
+    section = dict(data.get("collector", {}) or {})
+    bad = set(section) - _COLLECTOR_KEYS
+    if bad:
+        raise ConfigError(f"{where}: [collector] unknown key(s) {sorted(bad)}; allowed: {sorted(_COLLECTOR_KEYS)}")
+    sources: list[LogSource] = []
+    for i, s in enumerate(data.get("logs", []) or []):
+        if not isinstance(s, Mapping):
+            raise ConfigError(f"{where}: logs[{i}] must be a table")
+        bad = set(s) - _SOURCE_KEYS
+        if bad:
+            raise ConfigError(f"{where}: logs[{i}] unknown key(s) {sorted(bad)}; allowed: {sorted(_SOURCE_KEYS)}")
+        try:
+            sources.append(LogSource(**s))
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(f"{where}: logs[{i}]: {e}") from None
+    for g in overrides.pop("log_globs", None) or ():
+        sources.append(LogSource(glob=str(g)))
+    rules_file = overrides.pop("rules_file", None)
+    context_lines = overrides.pop("context_lines", None)
+    rules: RuleSet | None
+    if rules_file:
+        rules = load_rules(rules_file)
+    elif "filter" in data or "rules" in data:
+        rules = rules_from_config(data, where)
+    else:
+        rules = None
+    if context_lines is not None:
+        rules = dataclasses.replace(rules or RuleSet.builtin(), context_lines=int(context_lines))
+    section.update({k: v for k, v in overrides.items() if v is not None})
+    bad = set(section) - _COLLECTOR_KEYS
+    if bad:
+        raise ConfigError(f"unknown collector option(s) {sorted(bad)}")
+    try:
+        return AgentConfig(logs=tuple(sources), rules=rules, **section)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+@dataclass
+class _Loop:
+    name: str
+    thread: threading.Thread
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class Agent:
+    """Runs the collector loops for one node.
+
+    Args:
+        config: what to run.
+        store: where rows go (used by the shipping thread only).
+        registry: Prometheus registry for the metrics (default: a new one).
+        nvml: the NVML module (default: ``pynvml``; a FakeNvml in tests).
+        environ_reader: pid -> environment, for GPU -> rank mapping (tests).
+    """
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        store: Store,
+        registry: Any | None = None,
+        nvml: Any | None = None,
+        environ_reader: Callable[[int], Mapping[str, str] | None] | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.host = config.hostname
+        self.metrics = CollectorMetrics(registry)
+        self.spool_dir = Path(config.spool_dir)
+        self.outbox = Outbox(self.spool_dir, host=self.host, on_write=self._on_write)
+        self.shipper = Shipper(self.spool_dir, store)
+        self.tailer: Tailer | None = None
+        if config.logs:
+            state_dir = (
+                Path(config.state_dir) if config.state_dir else self.outbox.dir.parent / "state" / self.outbox.dir.name
+            )
+            self.tailer = Tailer(
+                config.logs,
+                sink=self.outbox,
+                state_path=state_dir / "tailer.json",
+                rules=config.rules,
+                host=self.host,
+                engine=config.engine,
+                on_commit=self.metrics.observe_filter,
+            )
+        self.sampler: GpuSampler | None = None
+        if config.nvml is not False:
+            from ranklens.collector.nvml import RankResolver
+
+            resolver = RankResolver(environ_reader) if environ_reader else None
+            self.sampler = GpuSampler(nvml, host=self.host, resolver=resolver)
+        self.server: MetricsServer | None = None
+        self._loops: list[_Loop] = []
+        self._started = False
+        self._ship_passes = 0
+        self.errors: dict[str, int] = {}
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound ``/metrics`` port (None without an endpoint)."""
+        return self.server.port if self.server else None
+
+    def start(self) -> None:
+        """Start the metrics endpoint and every loop. Returns at once."""
+        if self._started:
+            return
+        self._started = True
+        if self.config.metrics_port is not None:
+            self.server = MetricsServer(
+                self.metrics.registry, port=self.config.metrics_port, addr=self.config.metrics_addr
+            )
+            self.server.start()
+        if self.tailer is not None:
+            self._spawn("logs", self._logs_loop)
+        if self.sampler is not None:
+            self._spawn("gpu", self._gpu_loop)
+        self._spawn("ship", self._ship_loop)
+
+    def _spawn(self, name: str, target: Callable[[threading.Event], None]) -> None:
+        stop = threading.Event()
+        t = threading.Thread(
+            target=self._guard, args=(name, target, stop), name=f"ranklens-collector-{name}", daemon=True
+        )
+        self._loops.append(_Loop(name, t, stop))
+        t.start()
+
+    def _guard(self, name: str, target: Callable[[threading.Event], None], stop: threading.Event) -> None:
+        try:
+            target(stop)
+        except Exception:
+            log.exception("ranklens collector: the %s loop failed and stopped", name)
+            self.errors[name] = self.errors.get(name, 0) + 1
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop within ``timeout`` seconds (default: the config's): producers flush to the spool,
+        the shipper makes a last pass, the endpoint closes. True when every loop finished in time."""
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.shutdown_timeout_s)
+        clean = True
+        producers = [lp for lp in self._loops if lp.name != "ship"]
+        for lp in producers:
+            lp.stop.set()
+        for lp in producers:
+            lp.thread.join(max(0.0, deadline - time.monotonic()))
+            clean &= not lp.thread.is_alive()
+        for lp in self._loops:
+            if lp.name == "ship":
+                lp.stop.set()
+                lp.thread.join(max(0.0, deadline - time.monotonic()))
+                clean &= not lp.thread.is_alive()
+        if self.server is not None:
+            self.server.close()
+        if not clean:
+            log.warning("ranklens collector: stopped with loops still running (timeout); their data stays in the spool")
+        self._loops = []
+        self._started = False
+        return clean
+
+    def run(self, *, handle_signals: bool = True) -> None:
+        """Start, wait for SIGTERM/SIGINT (or :meth:`stop` from another thread), stop."""
+        done = threading.Event()
+        old: dict[int, Any] = {}
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                old[sig] = signal.signal(sig, lambda *_: done.set())
+        self.start()
+        try:
+            while not done.wait(0.5):
+                if not self._started:
+                    break
+        finally:
+            self.stop()
+            for signum, h in old.items():
+                signal.signal(signum, h)
+
+    def __enter__(self) -> Agent:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # --- loops ----------------------------------------------------------------------------
+
+    def _on_write(self, table: str, rows: int) -> None:
+        self.metrics.segments_written.labels(table).inc()
+
+    def ship_once(self) -> Any:
+        """One shipping pass (also what the ship loop does), with metrics."""
+        r = self.shipper.ship_once()
+        self.metrics.observe_ship(r)
+        self._ship_passes += 1
+        compact = getattr(self.store, "compact", None)
+        if compact is not None and r.segments and self._ship_passes % COMPACT_EVERY == 0:
+            try:
+                compact()
+            except Exception:
+                log.exception("ranklens collector: compaction failed (data is safe, parts stay)")
+        self._spool_gauges()
+        return r
+
+    def _spool_gauges(self) -> None:
+        n, size, oldest = 0, 0, None
+        for p in self.shipper.pending():
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            n += 1
+            size += st.st_size
+            oldest = st.st_mtime if oldest is None else min(oldest, st.st_mtime)
+        self.metrics.spool_segments_pending.set(n)
+        self.metrics.spool_bytes.set(size)
+        self.metrics.ship_lag.set(max(0.0, time.time() - oldest) if oldest is not None else 0.0)
+
+    def _ship_loop(self, stop: threading.Event) -> None:
+        while True:
+            stopping = stop.is_set()
+            try:
+                self.ship_once()
+            except Exception:
+                log.exception("ranklens collector: shipping pass failed; segments stay for the next one")
+                self.metrics.store_errors.inc()
+            if stopping:
+                return
+            stop.wait(self.config.ship_interval_s)
+
+    def _logs_loop(self, stop: threading.Event) -> None:
+        tailer = self.tailer
+        assert tailer is not None
+        last_commit = time.monotonic()
+        try:
+            while not stop.is_set():
+                try:
+                    got = tailer.poll()
+                except Exception:
+                    log.exception("ranklens collector: reading logs failed")
+                    got = 0
+                self.metrics.log_files.set(len(tailer.files))
+                if time.monotonic() - last_commit >= self.config.commit_interval_s:
+                    self._commit_logs()
+                    last_commit = time.monotonic()
+                if not got:
+                    stop.wait(self.config.log_poll_interval_s)
+            tailer.poll()  # what was written up to the stop
+            self._commit_logs()
+        finally:
+            tailer.close()
+
+    def _commit_logs(self) -> None:
+        assert self.tailer is not None
+        r = self.tailer.commit()
+        if r.error:
+            self.metrics.write_errors.labels("log_filter").inc()
+
+    def _gpu_loop(self, stop: threading.Event) -> None:
+        sampler = self.sampler
+        assert sampler is not None
+        if not sampler.start():
+            self.metrics.nvml_available.set(0)
+            return
+        self.metrics.nvml_available.set(1)
+        samples: list[dict[str, Any]] = []
+        events: list[dict[str, Any]] = []
+        last_write = time.monotonic()
+        try:
+            while True:
+                stopping = stop.is_set()
+                t0 = time.monotonic()
+                r = sampler.sample()
+                samples.extend(r.samples)
+                events.extend(r.events)
+                self.metrics.observe_gpus(r.samples, r.extras)
+                for e in r.events:
+                    self.metrics.gpu_events.labels(e["kind"]).inc()
+                if stopping or time.monotonic() - last_write >= self.config.commit_interval_s or events:
+                    if self._write_gpu(samples, events):
+                        samples, events = [], []
+                    elif len(samples) > 100_000:  # the disk keeps failing: bound memory, count the loss
+                        self._write_drop("gpu_samples_dropped", len(samples))
+                        samples = []
+                    last_write = time.monotonic()
+                if stopping:
+                    return
+                stop.wait(max(0.0, self.config.nvml_interval_s - (time.monotonic() - t0)))
+        finally:
+            sampler.close()
+
+    def _write_gpu(self, samples: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
+        try:
+            if events:
+                self.outbox.write("gpu_events", events)
+                events.clear()
+            if samples:
+                self.outbox.write("gpu_samples", samples)
+        except OSError as e:
+            log.error("ranklens collector: cannot write GPU rows to the spool: %s", e)
+            self.metrics.write_errors.labels("gpu").inc()
+            return False
+        return True
+
+    def _write_drop(self, what: str, n: int) -> None:
+        row = {"ts_ns": time.time_ns(), "host": self.host, "component": "collector", "what": what, "count": n}
+        try:
+            self.outbox.write("drops", [row])
+        except OSError:
+            log.error("ranklens collector: dropped %d %s and cannot even record it", n, what)
+
+
+def collector_dir(spool_dir: str | os.PathLike[str]) -> Path:
+    """Where the collector's own segments live under a spool."""
+    return Path(spool_dir) / COLLECTOR_DIR

@@ -1,0 +1,215 @@
+"""Prometheus metrics of the collector, on a registry of its own, and the ``/metrics`` endpoint.
+
+Names follow Prometheus conventions (base units, ``_total`` for counters, ``_bytes``,
+``_seconds``, ``_celsius``, ``_watts``, ``_ratio``). All metrics live on the
+:class:`~prometheus_client.CollectorRegistry` passed in (a fresh one by default), never on the
+global registry, so several agents (or tests) in one process do not collide.
+
+GPU gauges are produced at scrape time from the latest NVML reading (a custom collector), so a GPU
+that disappears stops being exported instead of freezing at its last value.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ranklens.collector.logfilter import FilterStats
+from ranklens.collector.shipper import ShipResult
+
+__all__ = ["CollectorMetrics", "MetricsServer", "serve_metrics"]
+
+NS = "ranklens"
+
+
+class _GpuCollector(Collector):
+    """Exposes the latest GPU reading."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._samples: list[Mapping[str, Any]] = []
+        self._extras: list[Mapping[str, float]] = []
+        self._ts = 0.0
+
+    def update(self, samples: Sequence[Mapping[str, Any]], extras: Sequence[Mapping[str, float]]) -> None:
+        with self._lock:
+            self._samples = list(samples)
+            self._extras = list(extras) + [{}] * (len(samples) - len(extras))
+            self._ts = time.time()
+
+    def collect(self) -> Iterator[Any]:
+        with self._lock:
+            samples, extras = self._samples, self._extras
+        labels = ["host", "gpu", "uuid", "job_id", "rank"]
+
+        def fam(kind: str, name: str, doc: str, extra_labels: Sequence[str] = ()) -> Any:
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            return cls(f"{NS}_gpu_{name}", doc, labels=[*labels, *extra_labels])
+
+        g_util = fam("gauge", "utilization_ratio", "GPU utilization (0-1) over NVML's last sample period")
+        g_mem = fam("gauge", "memory_used_bytes", "GPU memory in use")
+        g_memt = fam("gauge", "memory_total_bytes", "GPU memory in total")
+        g_pow = fam("gauge", "power_watts", "GPU power draw")
+        g_temp = fam("gauge", "temperature_celsius", "GPU temperature")
+        g_clk = fam("gauge", "clock_hertz", "GPU clock", ["clock"])
+        g_thr = fam("gauge", "clocks_event_reasons", "NVML clocks-event (throttle) reasons bitmask")
+        c_ecc = fam("counter", "ecc_errors", "volatile ECC error count", ["type"])
+        c_replay = fam("counter", "pcie_replay", "PCIe replay counter")
+        c_nvl = fam("counter", "nvlink_errors", "NVLink CRC/replay/recovery error counters, summed")
+        g_pcie = fam("gauge", "pcie_throughput_bytes_per_second", "PCIe throughput", ["direction"])
+        g_nvl = fam("gauge", "nvlink_throughput_bytes_per_second", "NVLink data throughput", ["direction"])
+        g_rows = fam("gauge", "remapped_rows", "remapped memory rows", ["type"])
+        for s, x in zip(samples, extras):
+            lv = [str(s["host"]), str(s["gpu_index"]), str(s["gpu_uuid"]), str(s["job_id"]), str(s["rank"])]
+            _add(g_util, lv, s["util_pct"] / 100.0)
+            _add(g_mem, lv, s["mem_used_bytes"], int_unknown=True)
+            _add(g_memt, lv, s["mem_total_bytes"], int_unknown=True)
+            _add(g_pow, lv, s["power_w"])
+            _add(g_temp, lv, s["temp_c"])
+            _add(g_clk, [*lv, "sm"], s["sm_clock_mhz"] * 1e6)
+            _add(g_clk, [*lv, "memory"], s["mem_clock_mhz"] * 1e6)
+            _add(g_thr, lv, s["throttle_reasons"])
+            _add(c_ecc, [*lv, "corrected"], s["ecc_corrected"], int_unknown=True)
+            _add(c_ecc, [*lv, "uncorrected"], s["ecc_uncorrected"], int_unknown=True)
+            _add(c_replay, lv, s["pcie_replay"], int_unknown=True)
+            _add(c_nvl, lv, s["nvlink_errors"], int_unknown=True)
+            for d in ("tx", "rx"):
+                _add(g_pcie, [*lv, d], x.get(f"pcie_{d}_bytes_per_second", math.nan))
+                _add(g_nvl, [*lv, d], x.get(f"nvlink_{d}_bytes_per_second", math.nan))
+            _add(g_rows, [*lv, "correctable"], x.get("remapped_rows_correctable", math.nan))
+            _add(g_rows, [*lv, "uncorrectable"], x.get("remapped_rows_uncorrectable", math.nan))
+        yield from (g_util, g_mem, g_memt, g_pow, g_temp, g_clk, g_thr, c_ecc, c_replay, c_nvl, g_pcie, g_nvl, g_rows)
+
+
+def _add(family: Any, labels: list[str], value: float, *, int_unknown: bool = False) -> None:
+    if value is None or (isinstance(value, float) and math.isnan(value)) or (int_unknown and value < 0):
+        return
+    family.add_metric(labels, float(value))
+
+
+class CollectorMetrics:
+    """The collector's metrics.
+
+    Args:
+        registry: where they live (default: a new :class:`CollectorRegistry`; never the global one).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = f"{NS}_collector"
+        self.log_lines_read = Counter(f"{p}_log_lines_read", "log lines read by the source filter", registry=r)
+        self.log_bytes_read = Counter(f"{p}_log_bytes_read", "log bytes read by the source filter", registry=r)
+        self.log_lines_kept = Counter(
+            f"{p}_log_lines_kept", "log lines kept (in events, repeats included), per class", ["class"], registry=r
+        )
+        self.log_lines_dropped = Counter(f"{p}_log_lines_dropped", "log lines filtered out", registry=r)
+        self.log_events = Counter(
+            f"{p}_log_events", "log events (after collapsing repeats), per class", ["class"], registry=r
+        )
+        self.log_repeats_collapsed = Counter(
+            f"{p}_log_repeats_collapsed", "log events folded into an earlier one", registry=r
+        )
+        self.segments_written = Counter(
+            f"{p}_segments_written", "segments the collector wrote to its spool", ["table"], registry=r
+        )
+        self.segments_shipped = Counter(f"{p}_segments_shipped", "spool segments acknowledged by the store", registry=r)
+        self.segments_quarantined = Counter(
+            f"{p}_segments_quarantined", "corrupt spool segments moved aside", registry=r
+        )
+        self.rows_shipped = Counter(f"{p}_rows_shipped", "rows written to the store", ["table"], registry=r)
+        self.store_errors = Counter(f"{p}_store_errors", "shipping passes the store refused", registry=r)
+        self.write_errors = Counter(f"{p}_write_errors", "failures writing the local spool", ["component"], registry=r)
+        self.last_ship_success = Gauge(
+            f"{p}_last_ship_success_timestamp_seconds", "when a shipping pass last succeeded", registry=r
+        )
+        self.spool_segments_pending = Gauge(f"{p}_spool_segments_pending", "segments waiting to be shipped", registry=r)
+        self.spool_bytes = Gauge(f"{p}_spool_bytes", "bytes of segments waiting to be shipped", registry=r)
+        self.ship_lag = Gauge(f"{p}_ship_lag_seconds", "age of the oldest segment waiting to be shipped", registry=r)
+        self.nvml_available = Gauge(f"{p}_nvml_available", "1 when GPUs are being sampled through NVML", registry=r)
+        self.gpu_events = Counter(f"{NS}_gpu_events", "discrete GPU events (XID, ECC, row remap)", ["kind"], registry=r)
+        self.log_files = Gauge(f"{p}_log_files", "log files being followed", registry=r)
+        self._gpu = _GpuCollector()
+        r.register(self._gpu)
+
+    def observe_filter(self, d: FilterStats) -> None:
+        """Add a tailer commit's counters."""
+        self.log_lines_read.inc(d.lines_read)
+        self.log_bytes_read.inc(d.bytes_read)
+        self.log_lines_dropped.inc(max(d.lines_dropped, 0))
+        self.log_repeats_collapsed.inc(d.repeats_collapsed)
+        for k, v in d.kept_by_class.items():
+            self.log_lines_kept.labels(k).inc(v)
+        for k, v in d.events_by_class.items():
+            self.log_events.labels(k).inc(v)
+
+    def observe_ship(self, r: ShipResult, *, now: float | None = None) -> None:
+        """Count one shipping pass."""
+        if r.error:
+            self.store_errors.inc()
+        else:
+            self.last_ship_success.set(now if now is not None else time.time())
+        self.segments_shipped.inc(r.segments)
+        self.segments_quarantined.inc(r.quarantined)
+        for t, n in r.rows.items():
+            self.rows_shipped.labels(t).inc(n)
+
+    def observe_gpus(self, samples: Sequence[Mapping[str, Any]], extras: Sequence[Mapping[str, float]]) -> None:
+        """The latest GPU reading (what the GPU gauges show)."""
+        self._gpu.update(samples, extras)
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP in a daemon thread.
+
+    Args:
+        registry: what to expose.
+        port: TCP port (0: a free one; read :attr:`port` after :meth:`start`).
+        addr: address to bind (``0.0.0.0`` so Prometheus can scrape the node; ``127.0.0.1`` in tests).
+    """
+
+    def __init__(self, registry: CollectorRegistry, *, port: int = 0, addr: str = "0.0.0.0") -> None:
+        self.registry = registry
+        self.addr = addr
+        self.port = port
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        """Start serving; returns the port."""
+        from prometheus_client import start_http_server
+
+        from ranklens.errors import ConfigError
+
+        try:
+            self._server, self._thread = start_http_server(self.port, addr=self.addr, registry=self.registry)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot serve metrics on {self.addr}:{self.port}: {e.strerror}; pick another --metrics-port"
+            ) from None
+        self.port = int(self._server.server_address[1])
+        return self.port
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+def serve_metrics(registry: CollectorRegistry, *, port: int = 0, addr: str = "0.0.0.0") -> MetricsServer:
+    """Start a :class:`MetricsServer` and return it (``.port`` is the bound port)."""
+    s = MetricsServer(registry, port=port, addr=addr)
+    s.start()
+    return s

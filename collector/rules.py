@@ -1,0 +1,564 @@
+"""The log filter's rule set: built-in rules for distributed-training failures, plus user rules.
+
+A :class:`Rule` is one regular expression with the class (``klass``) and severity of the lines it
+keeps. The highest ``priority`` rule that matches a line decides its class; a rule with
+``action="drop"`` that wins throws the line away (counted), which is how a user silences a noisy
+line that a built-in rule would keep.
+
+Patterns are written in the common subset of Python ``re``, RE2 and Hyperscan (no look-around,
+no back-references, no inline flags: use ``ignore_case``) because the fast path searches whole
+buffers with one of those engines and then confirms each candidate line with Python ``re``.
+Patterns are line-oriented: ``.`` never crosses a line.
+
+The built-in classes are those of the labelled real log lines in ``shared/data/logs`` (issue 4):
+``nccl_error``, ``nccl_timeout``, ``cuda_oom``, ``cuda_error``, ``gpu_xid``, ``nan_loss``,
+``rank_failure``, ``network``, ``storage``, ``dataloader``, plus ``traceback`` for a Python or C++
+traceback that no more specific rule classifies.
+
+User rules come from a TOML (or, with PyYAML installed, YAML) file::
+
+    [filter]
+    context_lines = 3           # lines kept before each event
+    builtin = true              # start from the built-in rules
+    disable = ["nccl_warn"]     # built-in rules to switch off
+
+    [[rules]]
+    name = "app_fatal"
+    class = "app_fatal"
+    pattern = "FATAL: "
+    severity = "critical"       # info, warning, error, critical
+    priority = 90               # higher wins; built-ins use 10..90
+    ignore_case = false
+
+    [[rules]]
+    name = "quiet_plugin_warning"
+    pattern = "NCCL WARN NET/Plugin"
+    action = "drop"
+    priority = 100
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ranklens.errors import ConfigError
+
+__all__ = [
+    "BUILTIN_RULES",
+    "CLASSES",
+    "Action",
+    "Rule",
+    "RuleSet",
+    "Severity",
+    "load_rules",
+    "pattern_to_ere",
+]
+
+
+class Severity(str, enum.Enum):
+    """How bad a kept line is."""
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+    CRITICAL = "critical"
+
+
+class Action(str, enum.Enum):
+    """What a winning rule does with the line."""
+
+    KEEP = "keep"
+    DROP = "drop"
+
+
+CLASSES = (
+    "nccl_error",
+    "nccl_timeout",
+    "cuda_oom",
+    "cuda_error",
+    "gpu_xid",
+    "nan_loss",
+    "rank_failure",
+    "network",
+    "storage",
+    "dataloader",
+    "traceback",
+)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One classification rule.
+
+    Args:
+        name: unique, ``[A-Za-z0-9_.-]``; stored in ``log_events.rule``.
+        klass: the class of the lines it keeps (``log_events.klass``).
+        pattern: a regular expression (see the module docstring for the allowed subset).
+        severity: severity of the kept line.
+        priority: the highest matching rule decides; ties go to the earlier rule.
+        ignore_case: match case-insensitively.
+        action: keep (default) or drop the line.
+        block: ``"traceback"`` when the line starts a Python traceback that is kept whole.
+    """
+
+    name: str
+    klass: str
+    pattern: str
+    severity: Severity = Severity.ERROR
+    priority: int = 50
+    ignore_case: bool = False
+    action: Action = Action.KEEP
+    block: str = ""
+    regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise ConfigError(f"rule name {self.name!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+        if self.action is Action.KEEP and not _NAME_RE.match(self.klass):
+            raise ConfigError(f"rule {self.name}: class {self.klass!r} must be 1-64 characters of A-Z a-z 0-9 _ . -")
+        if self.block not in ("", "traceback"):
+            raise ConfigError(f"rule {self.name}: block={self.block!r}; allowed: '' or 'traceback'")
+        if not self.pattern:
+            raise ConfigError(f"rule {self.name}: empty pattern")
+        if "(?" in self.pattern.replace("(?:", ""):
+            raise ConfigError(
+                f"rule {self.name}: pattern {self.pattern!r} uses an inline flag or look-around; "
+                "use ignore_case = true and plain groups (?:...) so every search engine accepts it"
+            )
+        if "\n" in self.pattern or "\\n" in self.pattern:
+            raise ConfigError(f"rule {self.name}: patterns are per line; {self.pattern!r} mentions a newline")
+        try:
+            rx = re.compile(self.pattern, re.IGNORECASE if self.ignore_case else 0)
+        except re.error as e:
+            raise ConfigError(
+                f"rule {self.name}: pattern {self.pattern!r} is not a valid regular expression: {e}"
+            ) from None
+        if rx.groupindex:
+            raise ConfigError(f"rule {self.name}: named groups are not supported; use (?:...)")
+        object.__setattr__(self, "regex", rx)
+
+
+def _r(
+    name: str,
+    klass: str,
+    pattern: str,
+    severity: str = "error",
+    priority: int = 50,
+    *,
+    ci: bool = False,
+    block: str = "",
+) -> Rule:
+    return Rule(name, klass, pattern, Severity(severity), priority, ci, Action.KEEP, block)
+
+
+# Priorities: a line that matches several rules takes the class of the highest one. The order
+# encodes the borderline choices documented with the labelled data: an NCCL "WARN Cuda failure"
+# line is nccl_error (NCCL printed it) although it names a CUDA error; "CUDA error: out of memory"
+# is cuda_oom, not cuda_error; a watchdog line is classified by the cause it names.
+BUILTIN_RULES: tuple[Rule, ...] = (
+    # --- GPU / kernel driver (dmesg) -------------------------------------------------------
+    _r(
+        "xid_hw",
+        "gpu_xid",
+        r"NVRM: Xid \([^)]*\): (?:48|61|62|63|64|74|79|92|94|95|119|120|136|140|143|144|145|146|149|150|154)\b",
+        "critical",
+        92,
+    ),
+    _r("xid", "gpu_xid", r"NVRM: Xid \(", "error", 91),
+    _r("sxid", "gpu_xid", r"\bSXid\b", "error", 91),
+    _r("gpu_off_bus", "gpu_xid", r"fallen off the bus", "critical", 91),
+    _r("rm_init_failed", "gpu_xid", r"RmInitAdapter failed", "critical", 91),
+    _r("nvrm_gpu_header", "gpu_xid", r"NVRM: GPU at PCI:", "warning", 90),
+    _r("nvrm_gpu_serial", "gpu_xid", r"GPU Board Serial Number", "warning", 90),
+    _r("nvrm_probe", "gpu_xid", r"NVRM: The NVIDIA (?:GPU|probe routine)", "error", 90),
+    _r("nvrm_error", "gpu_xid", r"NVRM: .*(?:[Ee]rror|[Ff]ail|[Tt]imeout|needs to be reset)", "error", 89),
+    _r("pcie_aer", "gpu_xid", r"PCIe Bus Error|AER: (?:Corrected|Uncorrected|Multiple)", "warning", 89),
+    # --- out of memory ---------------------------------------------------------------------
+    _r("cuda_oom", "cuda_oom", r"CUDA out of memory|OutOfMemoryError", "error", 88),
+    _r(
+        "cuda_oom_error",
+        "cuda_oom",
+        r"CUDA error: out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation",
+        "error",
+        88,
+    ),
+    # --- NCCL's own warnings (before CUDA: "NCCL WARN Cuda failure" is an NCCL line) --------
+    _r("nccl_warn", "nccl_error", r"NCCL WARN |\.(?:cc|cu|h|cpp):[0-9]+ WARN ", "warning", 85),
+    # --- dataloader, storage ---------------------------------------------------------------
+    _r("dataloader_worker", "dataloader", r"DataLoader worker \(pid", "error", 80),
+    _r(
+        "dataloader_shm",
+        "dataloader",
+        r"bus error encountered in worker|insufficient shared memory \(shm\)",
+        "error",
+        80,
+    ),
+    _r("dataloader_timeout", "dataloader", r"DataLoader timed out after", "error", 80),
+    _r(
+        "storage_full",
+        "storage",
+        r"No space left on device|Disk quota exceeded|StorageFull|\[Errno (?:28|122)\]",
+        "error",
+        75,
+    ),
+    _r(
+        "storage_io",
+        "storage",
+        r"Input/output error|Stale file handle|Read-only file system|\[Errno (?:5|30|116)\]",
+        "error",
+        75,
+    ),
+    _r("checkpoint_write", "storage", r"PytorchStreamWriter failed|file write failed|fsync failed", "error", 75),
+    # --- NCCL watchdog timeouts ------------------------------------------------------------
+    _r("nccl_watchdog_timeout", "nccl_timeout", r"Watchdog caught collective operation timeout", "critical", 72),
+    _r(
+        "nccl_timeout",
+        "nccl_timeout",
+        r"detected by watchdog|Some NCCL operations have failed or timed out|"
+        r"To avoid data inconsistency, we are taking the entire process down|watchdog got stuck for|"
+        r"timed out in blocking wait|ran for [0-9]+ milliseconds before timing out|"
+        r"Stack trace of the failed collective not found",
+        "error",
+        72,
+    ),
+    # --- CUDA runtime errors ---------------------------------------------------------------
+    _r(
+        "cuda_error",
+        "cuda_error",
+        r"CUDA error: |cuda runtime error|CUDA_ERROR_[A-Z_]+|illegal memory access was encountered|"
+        r"unspecified launch failure|device-side assert triggered|uncorrectable ECC error",
+        "error",
+        70,
+    ),
+    _r(
+        "cuda_lib_error",
+        "cuda_error",
+        r"CUBLAS_STATUS_(?:EXECUTION_FAILED|INTERNAL_ERROR|ALLOC_FAILED|NOT_INITIALIZED|ARCH_MISMATCH|"
+        r"MAPPING_ERROR|INVALID_VALUE|NOT_SUPPORTED)|CUDNN_STATUS_(?:EXECUTION_FAILED|INTERNAL_ERROR|"
+        r"NOT_INITIALIZED|ALLOC_FAILED|BAD_PARAM|ARCH_MISMATCH|MAPPING_ERROR|NOT_SUPPORTED)",
+        "error",
+        70,
+    ),
+    _r(
+        "cuda_device",
+        "cuda_error",
+        r"Unable to determine the device handle for GPU|no CUDA-capable device is detected|"
+        r"CUDA driver version is insufficient|\.cuh?:[0-9]+: .*Assertion .* failed|\.cuh?:[0-9]+: .*block: \[",
+        "error",
+        70,
+    ),
+    _r(
+        "cuda_check",
+        "cuda_error",
+        r"c10_cuda_check_implementation|finishedGPUExecutionInternal|"
+        r"CUDA kernel errors might be asynchronously reported",
+        "error",
+        69,
+    ),
+    # --- divergence ------------------------------------------------------------------------
+    _r(
+        "nan_overflow_skip",
+        "nan_loss",
+        r"OVERFLOW! Rank [0-9]+ Skipping step|Gradient overflow\. +Skipping step",
+        "warning",
+        65,
+    ),
+    _r(
+        "nan_loss",
+        "nan_loss",
+        r"\b(?:loss|grad[ _]norm)['\"]? *[:=] *-?(?:nan|inf)\b|loss is (?:nan|inf)\b|found nan in|"
+        r"nan or inf found in|returned nan values|nan (?:detected|encountered)",
+        "error",
+        65,
+        ci=True,
+    ),
+    # --- NCCL errors -----------------------------------------------------------------------
+    _r(
+        "nccl_error",
+        "nccl_error",
+        r"NCCL error|nccl(?:Internal|System|Remote|InvalidUsage|InvalidArgument|UnhandledCuda)Error|"
+        r"unhandled (?:system|cuda) error|NCCL failure|NCCL communicator was aborted|checkForNCCLErrors|"
+        r"Connection closed by remote peer|segfault at .* in libnccl|Got completion from peer .*error",
+        "error",
+        60,
+    ),
+    _r("nccl_retcode", "nccl_error", r"NCCL INFO [A-Za-z0-9_/.]+\.(?:cc|cu|h|cpp):[0-9]+ -> [0-9]+", "error", 60),
+    # --- launcher / elastic ----------------------------------------------------------------
+    _r(
+        "elastic_failure",
+        "rank_failure",
+        r"ChildFailedError|failed \(exitcode: -?[0-9]+\) local_rank: [0-9]+|Received [0-9]+ death signal|"
+        r"Rendezvous(?:Closed|Timeout)Error|Root Cause \(first observed failure\)|"
+        r"Signal [0-9]+ \(SIG[A-Z]+\) received by PID|exitcode *: -?[0-9]+ \(pid: [0-9]+\)",
+        "error",
+        55,
+    ),
+    _r(
+        "elastic_kill",
+        "rank_failure",
+        r"Sending process [0-9]+ closing signal SIG[A-Z]+|Killing subprocess [0-9]+",
+        "warning",
+        55,
+    ),
+    _r(
+        "elastic_heartbeat",
+        "rank_failure",
+        r"(?:fail|error).*keep-?alive heartbeat|keep-?alive heartbeat.*(?:fail|error)",
+        "error",
+        55,
+        ci=True,
+    ),
+    _r(
+        "process_crash",
+        "rank_failure",
+        r"Fatal Python error|Segmentation fault|segfault at |[Pp]rocess [0-9]+ terminated with",
+        "error",
+        50,
+    ),
+    # --- host networking / c10d store ------------------------------------------------------
+    _r(
+        "c10d_store",
+        "network",
+        r"client socket has timed out after|RendezvousConnectionError|connection to the C10d store has failed|"
+        r"DistNetworkError|DistStoreError",
+        "error",
+        50,
+    ),
+    _r(
+        "socket_error",
+        "network",
+        r"Connection closed by peer|Connection reset by peer|Connection refused|No route to host|"
+        r"Network is unreachable|Temporary failure in name resolution|Broken pipe|"
+        r"Timed out waiting [0-9]+ms for (?:send|recv) operation",
+        "error",
+        45,
+    ),
+    # --- fallbacks: generic NCCL backend errors and tracebacks -------------------------------
+    _r("nccl_backend", "nccl_error", r"DistBackendError|watchdog thread terminated with exception", "error", 40),
+    _r("traceback", "traceback", r"Traceback \(most recent call last\):", "error", 10, block="traceback"),
+    _r("cpp_exception", "traceback", r"terminate called after throwing an instance of", "error", 10),
+    _r("c10_exception", "traceback", r"Exception raised from .* \(most recent call first\)", "error", 10),
+)
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """An ordered set of rules plus the filter settings that come with them.
+
+    Args:
+        rules: the rules; names must be unique.
+        context_lines: lines kept before each event (0..20).
+    """
+
+    rules: tuple[Rule, ...]
+    context_lines: int = 3
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for r in self.rules:
+            if r.name in seen:
+                raise ConfigError(f"rule name {r.name!r} is used twice; rule names must be unique")
+            seen.add(r.name)
+        if not 0 <= self.context_lines <= 20:
+            raise ConfigError(f"context_lines={self.context_lines}: allowed 0..20")
+        if not self.rules:
+            raise ConfigError("the rule set is empty: keep the built-in rules or add [[rules]]")
+
+    @classmethod
+    def builtin(cls, *, context_lines: int = 3) -> RuleSet:
+        """The built-in rules."""
+        return cls(BUILTIN_RULES, context_lines=context_lines)
+
+    def with_rules(self, extra: Iterable[Rule], *, disable: Sequence[str] = ()) -> RuleSet:
+        """A copy with ``extra`` rules added (a rule of the same name replaces the old one)."""
+        extra = list(extra)
+        names = {r.name for r in self.rules}
+        unknown = [n for n in disable if n not in names]
+        if unknown:
+            raise ConfigError(f"cannot disable unknown rule(s) {unknown}; rules are: {', '.join(sorted(names))}")
+        replaced = {r.name for r in extra}
+        kept = [r for r in self.rules if r.name not in replaced and r.name not in disable]
+        return replace(self, rules=tuple(kept + extra))
+
+    @property
+    def classes(self) -> list[str]:
+        """Classes a kept line can get, in rule order."""
+        out: list[str] = []
+        for r in self.rules:
+            if r.action is Action.KEEP and r.klass not in out:
+                out.append(r.klass)
+        return out
+
+
+def _rule_from_mapping(d: Mapping[str, Any], where: str) -> Rule:
+    allowed = {"name", "class", "klass", "pattern", "severity", "priority", "ignore_case", "action", "block"}
+    unknown = set(d) - allowed
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    for key in ("name", "pattern"):
+        if not isinstance(d.get(key), str):
+            raise ConfigError(f"{where}: {key!r} is required and must be a string")
+    action_raw = str(d.get("action", "keep"))
+    try:
+        action = Action(action_raw)
+    except ValueError:
+        raise ConfigError(f"{where}: action={action_raw!r}; allowed: keep, drop") from None
+    klass = d.get("class", d.get("klass", "dropped" if action is Action.DROP else None))
+    if not isinstance(klass, str):
+        raise ConfigError(f"{where}: 'class' is required for a keep rule and must be a string")
+    sev_raw = str(d.get("severity", "error"))
+    try:
+        severity = Severity(sev_raw)
+    except ValueError:
+        raise ConfigError(f"{where}: severity={sev_raw!r}; allowed: info, warning, error, critical") from None
+    priority = d.get("priority", 50)
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
+        raise ConfigError(f"{where}: priority={priority!r} must be an integer in -1000..1000")
+    ignore_case = d.get("ignore_case", False)
+    if not isinstance(ignore_case, bool):
+        raise ConfigError(f"{where}: ignore_case={ignore_case!r} must be true or false")
+    block = d.get("block", "")
+    if not isinstance(block, str):
+        raise ConfigError(f"{where}: block={block!r} must be a string")
+    try:
+        return Rule(str(d["name"]), klass, str(d["pattern"]), severity, priority, ignore_case, action, block)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``, needs PyYAML) file into a dict."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror}") from None
+    if p.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"{p}: YAML config needs PyYAML (pip install pyyaml), or write it as TOML") from None
+        try:
+            data = yaml.safe_load(raw) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    else:
+        import tomllib
+
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a table/mapping at the top level")
+    return data
+
+
+def rules_from_config(data: Mapping[str, Any], where: str = "config") -> RuleSet:
+    """Build a :class:`RuleSet` from a parsed config (``[filter]`` and ``[[rules]]``)."""
+    filt = data.get("filter", {}) or {}
+    if not isinstance(filt, Mapping):
+        raise ConfigError(f"{where}: [filter] must be a table")
+    unknown = set(filt) - {"context_lines", "builtin", "disable"}
+    if unknown:
+        raise ConfigError(
+            f"{where}: [filter] has unknown key(s) {sorted(unknown)}; allowed: builtin, context_lines, disable"
+        )
+    ctx = filt.get("context_lines", 3)
+    if isinstance(ctx, bool) or not isinstance(ctx, int):
+        raise ConfigError(f"{where}: [filter] context_lines={ctx!r} must be an integer 0..20")
+    builtin = filt.get("builtin", True)
+    if not isinstance(builtin, bool):
+        raise ConfigError(f"{where}: [filter] builtin={builtin!r} must be true or false")
+    disable = filt.get("disable", [])
+    if not isinstance(disable, list) or not all(isinstance(n, str) for n in disable):
+        raise ConfigError(f"{where}: [filter] disable must be a list of rule names")
+    raw_rules = data.get("rules", []) or []
+    if not isinstance(raw_rules, list):
+        raise ConfigError(f"{where}: rules must be an array of tables ([[rules]])")
+    extra = [_rule_from_mapping(d, f"{where}: rules[{i}]") for i, d in enumerate(raw_rules) if isinstance(d, Mapping)]
+    if len(extra) != len(raw_rules):
+        raise ConfigError(f"{where}: every [[rules]] entry must be a table")
+    if disable and not builtin:
+        raise ConfigError(f"{where}: [filter] disable needs builtin = true")
+    try:
+        if builtin:
+            return RuleSet(BUILTIN_RULES, context_lines=ctx).with_rules(extra, disable=disable)
+        return RuleSet(tuple(extra), context_lines=ctx)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_rules(path: str | Path | None = None, *, context_lines: int | None = None) -> RuleSet:
+    """The built-in rules, extended and adjusted by the user rule file at ``path`` (if any).
+
+    Raises:
+        ConfigError: unreadable file, bad syntax, an unknown key, or an invalid rule (the message
+            names the file, the rule and the fix).
+    """
+    if path is None:
+        rs = RuleSet.builtin()
+    else:
+        rs = rules_from_config(read_config_file(path), str(path))
+    if context_lines is not None:
+        rs = replace(rs, context_lines=context_lines)
+    return rs
+
+
+_ERE_ESCAPES = {"d": "[0-9]", "s": "[[:space:]]", "w": "[[:alnum:]_]", "D": "[^0-9]", "S": "[^[:space:]]"}
+
+
+def pattern_to_ere(pattern: str, *, ignore_case: bool = False) -> str:
+    """Translate a rule pattern to POSIX ERE for ``grep -E`` (benchmarks and cross-checks).
+
+    Handles the subset the rules use: ``(?:``, ``\\d \\s \\w``, escapes, bracket expressions, and
+    ``ignore_case`` by turning letters outside brackets into ``[xX]``.
+    """
+    out: list[str] = []
+    i = 0
+    n = len(pattern)
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < n:
+            nxt = pattern[i + 1]
+            if nxt in _ERE_ESCAPES:
+                out.append(_ERE_ESCAPES[nxt])
+            elif nxt == "b":
+                out.append(r"\b")
+            elif nxt.isalnum():
+                raise ValueError(f"escape \\{nxt} has no ERE equivalent")
+            elif nxt in "-'\"":
+                out.append(nxt)
+            else:
+                out.append("\\" + nxt)
+            i += 2
+        elif pattern.startswith("(?:", i):
+            out.append("(")
+            i += 3
+        elif ch == "[":
+            j = i + 1
+            if j < n and pattern[j] == "^":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            body = pattern[i + 1 : j].replace("\\d", "0-9").replace("\\", "")
+            if ignore_case:
+                body = "".join(c + c.swapcase() if c.isalpha() and c.swapcase() not in body else c for c in body)
+            out.append("[" + body + "]")
+            i = j + 1
+        elif ignore_case and ch.isalpha():
+            out.append(f"[{ch.lower()}{ch.upper()}]")
+            i += 1
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)

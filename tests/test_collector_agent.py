@@ -1,0 +1,329 @@
+"""The per-node agent end to end: real files, a real embedded store, the fake NVML, a real HTTP
+scrape of /metrics, the store going down and coming back, a bounded stop, and kill -9 + restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ranklens.collector.agent import Agent, AgentConfig, load_config
+from ranklens.collector.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeNvml, fake_nvml
+from ranklens.collector.tailer import LogSource
+from ranklens.errors import ConfigError
+from ranklens.tracing.spool import SpoolWriter
+
+ROOT = Path(__file__).resolve().parents[1]
+ERR = "RuntimeError: CUDA error: an illegal memory access was encountered"
+ROW = {"job_id": "j", "attempt": 0, "rank": 0, "pg": "0", "seq": 1, "op": "all_reduce", "enter_ns": 5}
+
+
+def _config(tmp_path: Path, **kw) -> AgentConfig:
+    base = dict(
+        spool_dir=str(tmp_path / "spool"),
+        logs=(LogSource(glob=str(tmp_path / "logs" / "*.log"), job_id="job-1"),),
+        host="node-a",
+        ship_interval_s=0.05,
+        log_poll_interval_s=0.02,
+        commit_interval_s=0.1,
+        nvml_interval_s=0.05,
+        metrics_port=0,
+        metrics_addr="127.0.0.1",
+    )
+    base.update(kw)
+    return AgentConfig(**base)
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _metric(m: dict, name: str, **labels) -> float:
+    return m.get((name, tuple(sorted((k, str(v)) for k, v in labels.items()))), 0.0)
+
+
+def _wait(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.05)
+
+
+def _write_log(tmp_path: Path, name: str, *lines: str) -> Path:
+    d = tmp_path / "logs"
+    d.mkdir(exist_ok=True)
+    p = d / name
+    with open(p, "a") as f:
+        f.write("".join(line + "\n" for line in lines))
+    return p
+
+
+def test_agent_end_to_end_with_store_nvml_and_metrics(tmp_path, embedded_store):
+    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW, dict(ROW, seq=2)])
+    _write_log(tmp_path, "rank-3.log", "step 1 loss 2.0", "step 2 loss 1.9", ERR, "step 3 loss 1.8")
+    fake = fake_nvml(2)
+    agent = Agent(_config(tmp_path), store=embedded_store, nvml=fake)
+    agent.start()
+    try:
+        port = agent.metrics_port
+        assert port
+        fake.inject_xid(1, 79)
+
+        def shipped() -> bool:
+            m = _scrape(port)
+            return (
+                _metric(m, "ranklens_collector_rows_shipped_total", table="log_events") >= 1
+                and _metric(m, "ranklens_collector_rows_shipped_total", table="gpu_events") >= 1
+                and _metric(m, "ranklens_collector_rows_shipped_total", table="collectives") == 2
+            )
+
+        _wait(shipped)
+        m = _scrape(port)
+        assert _metric(m, "ranklens_collector_log_lines_read_total") == 4
+        assert _metric(m, "ranklens_collector_log_lines_kept_total", **{"class": "cuda_error"}) == 1
+        assert _metric(m, "ranklens_collector_log_lines_dropped_total") == 3
+        assert _metric(m, "ranklens_collector_nvml_available") == 1
+        assert _metric(m, "ranklens_gpu_events_total", kind="xid") == 1
+        gpu_labels = dict(host="node-a", gpu=0, uuid=fake.gpus[0].uuid, job_id="", rank=-1)
+        assert _metric(m, "ranklens_gpu_memory_total_bytes", **gpu_labels) == 80 << 30
+        assert _metric(m, "ranklens_gpu_temperature_celsius", **gpu_labels) == 35
+        assert _metric(m, "ranklens_collector_last_ship_success_timestamp_seconds") > 0
+        t0 = time.monotonic()
+    finally:
+        clean = agent.stop(timeout=10)
+    assert clean and time.monotonic() - t0 < 10
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)  # endpoint closed
+    q = embedded_store.query
+    assert q("SELECT count() FROM collectives").scalar() == 2
+    assert q("SELECT klass, rank, job_id, host FROM log_events").rows() == [("cuda_error", 3, "job-1", "node-a")]
+    assert q("SELECT sum(count) FROM drops WHERE what = 'log_lines_dropped'").scalar() == 3
+    assert q("SELECT count() FROM gpu_samples").scalar() >= 2
+    assert q("SELECT code FROM gpu_events WHERE kind = 'xid'").rows() == [(79,)]
+    assert agent.shipper.pending() == []  # everything acknowledged and deleted
+
+
+def test_store_down_then_back_every_row_once(tmp_path, embedded_store):
+    import shutil
+
+    parts = embedded_store.root / "parts" / "log_events"
+    moved = tmp_path / "moved"
+    shutil.move(parts, moved)  # the store's disk "fails" for log_events
+    agent = Agent(_config(tmp_path, nvml=False, metrics_port=None), store=embedded_store)
+    agent.start()
+    try:
+        for i in range(20):
+            _write_log(tmp_path, "rank-0.log", f"{ERR} #{i}", "ok")
+            time.sleep(0.02)
+        _wait(lambda: agent.metrics.store_errors._value.get() >= 2)
+        assert [p for p in agent.shipper.pending() if p.name.startswith("log_events")]  # kept on disk
+        shutil.move(moved, parts)  # it comes back
+        _wait(lambda: not agent.shipper.pending())
+    finally:
+        assert agent.stop(timeout=10)
+    got = embedded_store.query("SELECT message FROM log_events").rows()
+    assert sorted(int(m.rsplit("#", 1)[1]) for (m,) in got) == list(range(20))
+
+
+def test_without_gpu_or_driver_everything_else_runs(tmp_path, embedded_store, caplog):
+    _write_log(tmp_path, "rank-1.log", ERR)
+    fake = FakeNvml(init_error=NVML_ERROR_DRIVER_NOT_LOADED)
+    with (
+        caplog.at_level("WARNING", logger="ranklens.collector.nvml"),
+        Agent(_config(tmp_path), store=embedded_store, nvml=fake) as agent,
+    ):
+        _wait(lambda: agent.metrics.rows_shipped.labels("log_events")._value.get() >= 1)
+        assert _metric(_scrape(agent.metrics_port), "ranklens_collector_nvml_available") == 0
+    assert sum("GPU metrics off" in r.getMessage() for r in caplog.records) == 1
+    assert embedded_store.query("SELECT count() FROM log_events").scalar() == 1
+
+
+class HangingStore:
+    """A store whose writes never finish (a server that accepts and then stalls)."""
+
+    url = "hang://"
+    backend = "hang"
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def write_many(self, batches):
+        self.entered.set()
+        self.release.wait(30)
+        return {k: v.num_rows for k, v in batches.items()}
+
+    def write(self, table, data):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def query(self, sql):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def close(self):
+        pass
+
+
+def test_stop_is_bounded_even_when_the_store_hangs(tmp_path):
+    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW])
+    store = HangingStore()
+    agent = Agent(_config(tmp_path, nvml=False, logs=()), store=store)
+    agent.start()
+    assert store.entered.wait(10)
+    t0 = time.monotonic()
+    assert agent.stop(timeout=0.5) is False
+    assert time.monotonic() - t0 < 2
+    assert agent.shipper.pending()  # not acknowledged, so still on disk
+    store.release.set()
+
+
+def test_config_file_with_overrides_and_clear_errors(tmp_path):
+    cfg = tmp_path / "collector.toml"
+    cfg.write_text(
+        f"""
+[collector]
+spool_dir = "{tmp_path / "spool"}"
+metrics_port = 9400
+nvml = false
+commit_interval_s = 5
+
+[[logs]]
+glob = "{tmp_path}/logs/*.log"
+stream = "stderr"
+rank_pattern = "worker-(\\\\d+)"
+
+[filter]
+context_lines = 1
+
+[[rules]]
+name = "app_fatal"
+class = "app_fatal"
+pattern = "FATAL"
+"""
+    )
+    c = load_config(cfg, metrics_port=0, log_globs=[str(tmp_path / "more" / "*.out")], host=None)
+    assert c.metrics_port == 0 and c.nvml is False and c.commit_interval_s == 5
+    assert [s.glob for s in c.logs] == [f"{tmp_path}/logs/*.log", str(tmp_path / "more" / "*.out")]
+    assert c.logs[0].rank_of("/x/worker-12.log") == 12
+    assert c.rules is not None and c.rules.context_lines == 1 and "app_fatal" in c.rules.classes
+    for body, needle in [
+        ("[collector]\nship_interval_s = 0", "ship_interval_s=0"),
+        ("[collector]\nmetrics_port = 70000", "metrics_port=70000"),
+        ("[collector]\nspool = '/x'", "unknown key(s) ['spool']"),
+        ("[colector]\n", "unknown section(s) ['colector']"),
+        ("[[logs]]\nglob = 'x'\nstream = 'tty'", "logs[0]: log source x: stream='tty'"),
+    ]:
+        cfg.write_text(body)
+        with pytest.raises(ConfigError) as ei:
+            load_config(cfg)
+        assert needle in str(ei.value), (needle, str(ei.value))
+
+
+_CHILD = """
+import sys, time
+from ranklens.collector.agent import Agent, AgentConfig
+from ranklens.collector.tailer import LogSource
+from ranklens.store import open_store
+tmp = sys.argv[1]
+store = open_store(f"embedded://{tmp}/store")
+cfg = AgentConfig(spool_dir=f"{tmp}/spool", logs=(LogSource(glob=f"{tmp}/logs/*.log"),), host="node-a",
+                  nvml=False, ship_interval_s=0.05, log_poll_interval_s=0.02, commit_interval_s=0.05)
+print("ready", flush=True)
+Agent(cfg, store=store).run()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_kill_minus_9_and_restart_loses_no_log_event(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def child() -> subprocess.Popen:
+        p = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(tmp_path)], stdout=subprocess.PIPE, env=env, cwd=tmp_path
+        )
+        assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
+        return p
+
+    n = 0
+
+    def write(k: int) -> None:
+        nonlocal n
+        for _ in range(k):
+            _write_log(tmp_path, "rank-0.log", f"{ERR} #{n}", "step ok")
+            n += 1
+            time.sleep(0.005)
+
+    p = child()
+    write(150)
+    p.send_signal(signal.SIGKILL)  # mid-run: events staged, segments pending, offsets in flight
+    p.wait(30)
+    p.stdout.close()
+    write(50)  # written while the collector is down
+    p = child()
+    write(50)
+    time.sleep(1.5)
+    p.send_signal(signal.SIGTERM)  # graceful: flush, last shipping pass
+    assert p.wait(60) == 0
+    p.stdout.close()
+    from ranklens.store import open_store
+
+    store = open_store(f"embedded://{tmp_path}/store")
+    got = [int(m.rsplit("#", 1)[1]) for (m,) in store.query("SELECT message FROM log_events").rows()]
+    assert set(got) == set(range(n)), "a log event was lost"
+    print(f"kill -9 + restart: {n} events written, {len(got)} rows, {len(got) - len(set(got))} duplicate(s)")
+    # The tailer -> spool step is exactly-once (two-phase commit, tests/test_tailer.py); a kill
+    # between the store's acknowledgement and the segment's deletion can still ship a segment
+    # twice until inserts are idempotent (issue 4 item 3).
+    assert len(got) - len(set(got)) <= 50
+
+
+def test_public_names_of_the_collector_modules():
+    import importlib
+
+    for mod in ("agent", "logfilter", "rules", "tailer", "outbox", "nvml", "fake_nvml", "metrics"):
+        m = importlib.import_module(f"ranklens.collector.{mod}")
+        assert m.__all__, mod
+        for name in m.__all__:
+            assert hasattr(m, name), (mod, name)
+
+
+def test_metrics_live_on_the_injected_registry_only():
+    from prometheus_client import REGISTRY, CollectorRegistry
+
+    from ranklens.collector.metrics import CollectorMetrics
+
+    reg = CollectorRegistry()
+    m = CollectorMetrics(reg)
+    m.store_errors.inc()
+    assert reg.get_sample_value("ranklens_collector_store_errors_total") == 1
+    assert REGISTRY.get_sample_value("ranklens_collector_store_errors_total") is None
+    CollectorMetrics()  # a second set in the same process does not collide
+
+
+def test_alert_rules_use_metrics_the_collector_exports():
+    import re
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry
+
+    from ranklens.collector.metrics import CollectorMetrics
+
+    rules = (Path(__file__).resolve().parents[1] / "deploy/prometheus/ranklens-rules.yml").read_text()
+    wanted = set(re.findall(r"ranklens_collector_[a-z_]+", rules))
+    reg = CollectorRegistry()
+    CollectorMetrics(reg)
+    exported = {s.name for fam in reg.collect() for s in fam.samples} | {fam.name for fam in reg.collect()}
+    assert wanted and wanted <= exported, wanted - exported

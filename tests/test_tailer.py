@@ -1,0 +1,257 @@
+"""The log tailer with real files: globs, rotation by rename, truncation, restarts with saved
+offsets, a sink that fails, and the events reaching the spool as ``log_events`` rows."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ranklens.collector.outbox import Outbox
+from ranklens.collector.tailer import LogSource, Tailer
+from ranklens.errors import ConfigError
+from ranklens.ingest import read_jsonl
+
+ERR = "RuntimeError: CUDA error: an illegal memory access was encountered"
+OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
+class Sink:
+    """Records what a tailer commits (and can fail on demand)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[dict]] = {}
+        self.fail = False
+
+    def __call__(self, table: str, rows: list[dict]) -> None:
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        self.rows.setdefault(table, []).extend(rows)
+
+    def messages(self) -> list[str]:
+        return [r["message"] for r in self.rows.get("log_events", [])]
+
+
+def _append(p: Path, *lines: str) -> None:
+    with open(p, "a") as f:
+        f.write("".join(line + "\n" for line in lines))
+
+
+OPEN: list[Tailer] = []
+
+
+def _tailer(tmp_path: Path, sink, **kw) -> Tailer:
+    t = Tailer(
+        [LogSource(glob=str(tmp_path / "logs" / "*.log"), stream="stderr", job_id="job-1")],
+        sink=sink,
+        state_path=tmp_path / "state" / "tailer.json",
+        host="node-a",
+        **kw,
+    )
+    OPEN.append(t)
+    return t
+
+
+@pytest.fixture(autouse=True)
+def _close_tailers():
+    yield
+    while OPEN:
+        OPEN.pop().close()
+
+
+def _cycle(t: Tailer) -> None:
+    t.poll()
+    t.poll()  # an idle poll closes events at the end of a file
+    r = t.commit()
+    assert r.error is None, r.error
+
+
+@pytest.fixture
+def logs(tmp_path):
+    d = tmp_path / "logs"
+    d.mkdir()
+    return d
+
+
+def test_follows_globs_rank_from_path_and_writes_rows(tmp_path, logs):
+    sink = Sink()
+    t = _tailer(tmp_path, sink)
+    _append(logs / "rank-3.log", "step 1", "step 2", ERR, "step 3")
+    _append(logs / "rank-4.log", OOM)
+    (logs / "notes.txt").write_text(ERR + "\n")  # not matched by the glob
+    _cycle(t)
+    rows = sorted(sink.rows["log_events"], key=lambda r: r["rank"])
+    assert [(r["rank"], r["klass"], r["job_id"], r["host"], r["stream"]) for r in rows] == [
+        (3, "cuda_error", "job-1", "node-a", "stderr"),
+        (4, "cuda_oom", "job-1", "node-a", "stderr"),
+    ]
+    assert rows[0]["context"] == ["step 1", "step 2"]
+    drops = sink.rows["drops"]
+    assert sum(d["count"] for d in drops if d["what"] == "log_lines_dropped") == 3
+    assert {d["component"] for d in drops} == {"log_filter"}
+
+
+def test_rotation_by_rename_drains_the_old_file_and_reads_the_new_one(tmp_path, logs):
+    sink = Sink()
+    t = _tailer(tmp_path, sink)
+    p = logs / "rank-0.log"
+    _append(p, "a", ERR + " #1")
+    _cycle(t)
+    _append(p, ERR + " #2")  # written just before the rotation, not read yet
+    os.rename(p, logs / "rank-0.log.1")  # logrotate: rename, then a new file
+    _append(p, ERR + " #3")
+    _cycle(t)
+    _cycle(t)
+    assert sorted(m[-2:] for m in sink.messages()) == ["#1", "#2", "#3"]
+    assert len(t.files) == 1  # the rotated file was closed once drained
+
+
+def test_truncation_is_detected_and_the_file_read_again(tmp_path, logs):
+    sink = Sink()
+    t = _tailer(tmp_path, sink)
+    p = logs / "rank-0.log"
+    _append(p, "x" * 200, ERR + " before")
+    _cycle(t)
+    with open(p, "w") as f:  # copytruncate, or a job restarted into the same file
+        f.write(ERR + " after\n")
+    _cycle(t)
+    assert [m.rsplit(" ", 1)[1] for m in sink.messages()] == ["before", "after"]
+    assert t.truncations == 1
+
+
+def test_restart_resumes_at_the_saved_offsets_without_loss_or_duplicates(tmp_path, logs):
+    sink = Sink()
+    p = logs / "rank-1.log"
+    _append(p, ERR + " one", "ok")
+    t = _tailer(tmp_path, sink)
+    _cycle(t)
+    t.close()
+    _append(p, ERR + " two")
+    with open(p, "a") as f:
+        f.write("partial line without newline")
+    t2 = _tailer(tmp_path, sink)  # a new collector process
+    _cycle(t2)
+    assert [m.rsplit(" ", 1)[1] for m in sink.messages()] == ["one", "two"]
+    state = json.loads((tmp_path / "state" / "tailer.json").read_text())
+    (entry,) = state["files"]
+    assert entry["offset"] == p.stat().st_size - len("partial line without newline")  # not committed yet
+    t2.close()
+    _append(p, " ends here", ERR + " three")
+    t3 = _tailer(tmp_path, sink)
+    _cycle(t3)
+    assert [m.rsplit(" ", 1)[1] for m in sink.messages()] == ["one", "two", "three"]
+
+
+def test_rotated_while_the_collector_was_down_is_drained_by_inode(tmp_path, logs):
+    sink = Sink()
+    p = logs / "rank-2.log"
+    _append(p, ERR + " one")
+    t = _tailer(tmp_path, sink)
+    _cycle(t)
+    t.close()
+    _append(p, ERR + " two")
+    os.rename(p, logs / "rank-2.log.1")  # not matched by *.log any more
+    _append(p, ERR + " three")
+    t2 = _tailer(tmp_path, sink)
+    _cycle(t2)
+    _cycle(t2)
+    assert sorted(m.rsplit(" ", 1)[1] for m in sink.messages()) == ["one", "three", "two"]
+
+
+def test_a_failing_sink_loses_nothing(tmp_path, logs):
+    sink = Sink()
+    t = _tailer(tmp_path, sink)
+    p = logs / "rank-0.log"
+    _append(p, ERR + " one")
+    sink.fail = True
+    t.poll()
+    t.poll()
+    assert t.commit().error is not None and sink.messages() == []
+    assert not (tmp_path / "state" / "tailer.json").exists()  # no offset saved past unsent events
+    sink.fail = False
+    _append(p, ERR + " two")
+    _cycle(t)
+    assert [m.rsplit(" ", 1)[1] for m in sink.messages()] == ["one", "two"]
+
+
+def test_start_at_end_skips_old_content_of_files_present_at_start(tmp_path, logs):
+    sink = Sink()
+    p = logs / "old.log"
+    _append(p, ERR + " old")
+    t = Tailer([LogSource(glob=str(logs / "*.log"), start_at="end")], sink=sink, state_path=None, host="h")
+    OPEN.append(t)
+    _cycle(t)
+    _append(p, ERR + " new")
+    _append(logs / "later.log", ERR + " later")  # a file that appears later is read from its start
+    _cycle(t)
+    assert sorted(m.rsplit(" ", 1)[1] for m in sink.messages()) == ["later", "new"]
+
+
+def test_events_reach_the_spool_as_valid_segments(tmp_path, logs):
+    out = Outbox(tmp_path / "spool", host="node-a")
+    t = _tailer(tmp_path, out.write)
+    _append(logs / "rank-0.log", "fine", ERR)
+    _cycle(t)
+    segs = sorted(out.dir.glob("*.jsonl"))
+    tables = {read_jsonl(s)[0]: read_jsonl(s)[1] for s in segs}
+    assert tables["log_events"].num_rows == 1 and tables["drops"].num_rows == 1
+    assert tables["log_events"].column("klass").to_pylist() == ["cuda_error"]
+
+
+def test_outbox_never_overwrites_a_pending_segment(tmp_path):
+    out = Outbox(tmp_path / "spool", host="h", fsync=False)
+    paths = {out.write("drops", [{"ts_ns": 1, "component": "c", "what": "w", "count": i}]) for i in range(50)}
+    assert len(paths) == 50 and all(p.exists() for p in paths)
+    with pytest.raises(ValueError, match="not a column"):
+        out.write("drops", [{"ts_ns": 1, "component": "c", "what": "w", "count": 1, "colour": 1}])
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"glob": ""}, "needs a glob"),
+        ({"glob": "x", "stream": "tty"}, "stream='tty'"),
+        ({"glob": "x", "start_at": "middle"}, "start_at='middle'"),
+        ({"glob": "x", "rank_pattern": "rank"}, "needs a group"),
+    ],
+)
+def test_bad_log_sources(kw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        LogSource(**kw)
+
+
+class Crash(BaseException):
+    """Stands for kill -9 at a chosen point of a commit."""
+
+
+def _spool_messages(out: Outbox) -> list[str]:
+    msgs = []
+    for seg in sorted(out.dir.glob("log_events.*.jsonl")):
+        msgs += read_jsonl(seg)[1].column("message").to_pylist()
+    return sorted(m.rsplit(" ", 1)[1] for m in msgs)
+
+
+@pytest.mark.parametrize("crash_at", ["after_state_saved", "before_state_saved"])
+def test_a_crash_inside_a_commit_gives_each_event_exactly_once(tmp_path, logs, monkeypatch, crash_at):
+    out = Outbox(tmp_path / "spool", host="node-a", fsync=False)
+    p = logs / "rank-0.log"
+    _append(p, ERR + " one")
+    t = _tailer(tmp_path, out)
+    t.poll()
+    t.poll()
+    if crash_at == "after_state_saved":  # offsets saved, segments still staged
+        monkeypatch.setattr(out, "publish", lambda staged: (_ for _ in ()).throw(Crash()))
+    else:  # segments staged, offsets not saved
+        monkeypatch.setattr(t, "_save_state", lambda *a, **k: (_ for _ in ()).throw(Crash()))
+    with pytest.raises(Crash):
+        t.commit()
+    assert _spool_messages(out) == []  # nothing visible to the shipper yet
+    t.close()
+    _append(p, ERR + " two")
+    out2 = Outbox(tmp_path / "spool", host="node-a", fsync=False)
+    t2 = _tailer(tmp_path, out2)  # the restarted collector
+    _cycle(t2)
+    assert _spool_messages(out2) == ["one", "two"]
+    assert not [q for q in out2.dir.iterdir() if q.name.startswith(".")]
