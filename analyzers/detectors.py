@@ -98,6 +98,9 @@ def _densest_segment(hot: np.ndarray, persistence: float) -> tuple[int, int] | N
     return best_seg
 
 
+LEAVE_ONE_OUT_BELOW = 16  # peer groups smaller than this use leave-one-out statistics
+
+
 @dataclass(frozen=True)
 class PeerDetection:
     rank: int
@@ -145,8 +148,18 @@ class PeerComputeDetector:
                 continue  # no robust baseline with fewer than three peers
             block = compute[idx]
             with np.errstate(all="ignore"):
-                med = np.nanmedian(block, axis=0)
-                mad = np.nanmedian(np.abs(block - med), axis=0) * 1.4826
+                if len(idx) < LEAVE_ONE_OUT_BELOW:
+                    # small groups: each rank is compared with the others only, so the suspect does
+                    # not inflate the spread it is measured against
+                    med = np.empty_like(block)
+                    mad = np.empty_like(block)
+                    for k in range(len(idx)):
+                        others = np.delete(block, k, axis=0)
+                        med[k] = np.nanmedian(others, axis=0)
+                        mad[k] = np.nanmedian(np.abs(others - med[k]), axis=0) * 1.4826
+                else:
+                    med = np.broadcast_to(np.nanmedian(block, axis=0), block.shape)
+                    mad = np.broadcast_to(np.nanmedian(np.abs(block - med), axis=0) * 1.4826, block.shape)
             excess = block - med
             threshold = np.maximum(np.maximum(self.min_excess_ratio * med, self.min_excess_s), self.z * mad)
             hot_all = np.nan_to_num(excess, nan=-1.0) >= threshold
@@ -163,6 +176,6 @@ class PeerComputeDetector:
                     continue
                 ex = np.nan_to_num(excess[k, a : b + 1])
                 with np.errstate(all="ignore"):
-                    ratio = float(np.nanmedian(block[k, a : b + 1]) / np.nanmedian(med[a : b + 1]))
+                    ratio = float(np.nanmedian(block[k, a : b + 1]) / np.nanmedian(med[k, a : b + 1]))
                 out.append(PeerDetection(int(cm.ranks[i]), a, b, n_hot / (b - a + 1), n_hot, b - a + 1, ex, ratio))
         return out

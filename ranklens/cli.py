@@ -103,9 +103,9 @@ def version() -> None:
 @click.option(
     "--slowdown",
     type=float,
-    default=1.5,
+    default=2.0,
     show_default=True,
-    help="Compute-time factor of the slowed rank (1.5 = its compute takes 50% longer).",
+    help="Time factor of the slowed phase (2.0 = it takes twice as long).",
 )
 @click.option("--slow-from-step", type=int, default=5, show_default=True, help="First slowed step.")
 @click.option(

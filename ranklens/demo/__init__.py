@@ -57,7 +57,7 @@ def run_demo(
     *,
     ranks: int = 4,
     slow_rank: int | None = 2,
-    slowdown: float = 1.5,
+    slowdown: float = 2.0,
     steps: int = 30,
     slow_from_step: int = 5,
     compute_ms: float = 80.0,
