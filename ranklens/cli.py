@@ -780,6 +780,19 @@ def deliver(store_url: str | None, policy_file: str, outbox_dir: str | None, dra
     click.echo(f"delivered: {stats.acknowledged} acknowledged, {stats.retrying} still retrying, {stats.failed} failed")
 
 
+@cli.command(epilog=_EPILOG)
+@_store_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8501, show_default=True, help="Port to listen on.")
+@_errors
+def dashboard(store_url: str | None, host: str, port: int) -> None:
+    """Serve the Streamlit dashboards (jobs, findings, timeline, heat maps, links, hangs, GPU and
+    logs) over the store, live while jobs run."""
+    from ranklens.dashboards import run_dashboard
+
+    sys.exit(run_dashboard(store_url, host=host, port=port))
+
+
 @cli.command("alerts-receiver", epilog=_EPILOG)
 @_store_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")

@@ -1,0 +1,259 @@
+"""Dashboard benchmark: query + figure-build time of every page on a simulated 10,240-rank job.
+
+    python bench/dashboard_bench.py [--ranks 10240] [--steps 50] [--ranks-per-node 8] [--store DIR]
+                                    [--server clickhouse://default@127.0.0.1:9000/db] [--no-apptest]
+
+Writes a simulated job (numpy/pyarrow rows: ranks on nodes, steps, phases, four collectives per rank
+and step, heartbeats, GPU samples, log lines; one straggler rank and one slow node) into a fresh
+store, runs the straggler analyzer on it, then per page:
+
+* the queries the page runs (uncached) and the Plotly figures it builds, with the cells/points
+  and the JSON bytes sent to the browser;
+* the whole page script under Streamlit's AppTest with a cold cache (queries + Python-side
+  rendering, what a first page load costs on the server; the browser's drawing is not included).
+
+Prints one line per measurement; nothing is timed inside the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+
+from ranklens.dashboards import charts
+from ranklens.dashboards import queries as q
+from ranklens.dashboards.simulate import SimulatedJob, simulate_job
+from ranklens.store import open_store
+from ranklens.store.api import Store
+
+APP = Path(__file__).resolve().parents[1] / "dashboards" / "app.py"
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.query_s = 0.0
+        self.figure_s = 0.0
+        self.json_bytes = 0
+        self.queries = 0
+
+    def query(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        out = fn(*args, **kw)
+        self.query_s += time.perf_counter() - t
+        self.queries += 1
+        return out
+
+    def figure(self, build: Callable[[], go.Figure]) -> go.Figure:
+        t = time.perf_counter()
+        fig = build()
+        self.json_bytes += len(fig.to_json())  # what st.plotly_chart serialises for the browser
+        self.figure_s += time.perf_counter() - t
+        return fig
+
+
+def page_overview(store: Store, job: str, t: Timer) -> None:
+    t.query(q.list_jobs, store)
+    found = t.query(q.findings, store, job, 0)
+    trend = t.query(q.step_trend, store, job, 0)
+    t.figure(lambda: charts.step_trend_chart(trend, {int(s): "onset" for s in found["first_seen_step"]}))
+    t.figure(lambda: charts.findings_impact_chart(found))
+
+
+def page_findings(store: Store, job: str, t: Timer) -> None:
+    found = t.query(q.findings, store, job, 0)
+    if found.empty:
+        return
+    f = found.iloc[0]
+    hist = t.query(q.finding_history, store, f["id"])
+    t.query(q.finding_actions, store, f["id"])
+    t.figure(
+        lambda: charts.finding_onset_chart(
+            f["evidence"].get("per_step", []), int(f["first_seen_step"]), int(f["last_seen_step"])
+        )
+    )
+    t.figure(lambda: charts.finding_history_chart(hist))
+
+
+def page_timeline(store: Store, job: str, t: Timer, b: q.JobBounds, slow: int) -> None:
+    lo, hi = b.last_step - 2, b.last_step
+    info = t.query(q.rank_info, store, job, 0)
+    worst = t.query(q.worst_ranks, store, job, 0, lo, hi, 8, b.first_ns)
+    ranks = tuple(dict.fromkeys([slow, *(int(r) for r in worst["culprit"])]))
+    phases = t.query(q.timeline_phases, store, job, 0, lo, hi, ranks)
+    colls = t.query(q.timeline_collectives, store, job, 0, lo, hi, ranks)
+    label = _labeler(info)
+    first = colls.iloc[0]
+    t.figure(lambda: charts.gantt_chart(phases, colls, label, highlight=(first["pg"], int(first["seq"]))))
+
+
+def page_heatmaps(store: Store, job: str, t: Timer, b: q.JobBounds, metric: str) -> None:
+    lo, hi = max(b.first_step, b.last_step - 199), b.last_step
+    axis, bucket = q.choose_heat_axis(b.ranks, b.hosts, hi - lo + 1)
+    df = t.query(
+        q.heatmap, store, job, 0, metric, lo, hi, axis=axis, rank_bucket=bucket, phase="backward", t0_ns=b.first_ns
+    )
+    t.query(q.rank_info, store, job, 0)
+
+    def build() -> go.Figure:
+        z, rows, steps = charts.pivot_heat(df)
+        return charts.heatmap_chart(z, [str(r) for r in rows], steps, title=metric)
+
+    t.figure(build)
+
+
+def page_links(store: Store, job: str, t: Timer, b: q.JobBounds) -> None:
+    lo, hi = max(b.first_step, b.last_step - 49), b.last_step
+    info = t.query(q.rank_info, store, job, 0)
+    nodes = dict(zip(info["rank"].astype(int), info["node"]))
+    per_rank = t.query(q.rank_bandwidth, store, job, 0, lo, hi)
+    pairs = t.query(q.pair_bandwidth, store, job, 0, lo, hi)
+    groups = t.query(q.group_bandwidth, store, job, 0, lo, hi)
+    t.query(q.group_names, store, job, 0)
+
+    def matrix() -> go.Figure:
+        per = per_rank.assign(key=[nodes.get(int(r), "?") for r in per_rank["rank"]])
+        agg = per.groupby("key")[["total_bytes", "total_xfer_ns"]].sum()
+        bps = (agg["total_bytes"] / (agg["total_xfer_ns"] / 1e9)).sort_values()
+        keys = sorted(bps.index[:64])
+        m, labels = charts.bandwidth_matrix(pairs, lambda r: nodes.get(int(r), "?"), keys)
+        return charts.bandwidth_matrix_chart(m, labels, "node x node")
+
+    t.figure(matrix)
+    t.figure(lambda: charts.group_bandwidth_chart(groups.head(30)))
+
+
+def page_hangs(store: Store, job: str, t: Timer) -> None:
+    groups = t.query(q.hang_groups, store, job, 0)
+    ages = t.query(q.heartbeat_ages, store, job, 0)
+    missing = tuple(sorted({int(r) for rs in groups["not_entered"] for r in rs}))[:64]
+    t.query(q.rank_last_activity, store, job, 0, missing or (0,))
+    now = time.time_ns()
+    t.figure(lambda: charts.hang_groups_chart(groups.head(60)))
+    t.figure(lambda: charts.heartbeat_age_chart(ages, now))
+
+
+def page_gpu_logs(store: Store, job: str, t: Timer, b: q.JobBounds) -> None:
+    lo, hi = b.first_ns, b.last_ns
+    series = t.query(q.gpu_series, store, job, 0, lo, hi, "util_pct")
+    events = t.query(q.gpu_events, store, job, 0, lo, hi)
+    t.query(q.log_classes, store, job, 0)
+    logs = t.query(q.log_events, store, job, 0, lo, hi)
+    t.figure(lambda: charts.gpu_chart(series, events, metric_label="util", x_range=(lo, hi)))
+    t.figure(lambda: charts.log_events_chart(logs, x_range=(lo, hi)))
+
+
+def _heat(store: Store, job: str, b: q.JobBounds, metric: str, t: Timer) -> None:
+    page_heatmaps(store, job, t, b, metric)
+
+
+def _labeler(info: Any) -> Callable[[int], str]:
+    nodes = dict(zip(info["rank"].astype(int), info["node"]))
+    return lambda r: f"rank {r} ({nodes.get(int(r), '?')})"
+
+
+def run_apptest(store_url: str, job: str) -> None:
+    """Each page's script end to end under AppTest, cold cache: server-side page load time."""
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    from ranklens.dashboards.ui import PAGES
+
+    os.environ["RANKLENS_STORE"] = store_url
+    at = AppTest.from_file(str(APP), default_timeout=600)
+    at.query_params["job"] = job
+    at.run()
+    for key, (script, _title, _url) in PAGES.items():
+        st.cache_data.clear()
+        t = time.perf_counter()
+        at.switch_page(script).run()
+        dt = time.perf_counter() - t
+        errors = [e.value for e in at.exception]
+        print(
+            f"apptest  {key:9s} page load (cold cache, queries + render): {dt:6.2f} s"
+            + (f"  EXCEPTION {errors[0][:200]}" if errors else "")
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, default=10_240)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--store", help="embedded store directory (default: a temporary one, removed after)")
+    p.add_argument("--server", default=os.environ.get("RANKLENS_BENCH_CLICKHOUSE"), help="a ClickHouse store URL")
+    p.add_argument("--no-apptest", action="store_true", help="skip the end-to-end page runs")
+    args = p.parse_args(argv)
+
+    tmp = None
+    if args.server:
+        url = args.server
+    else:
+        tmp = tempfile.mkdtemp(prefix="ranklens-dash-bench-") if not args.store else None
+        url = f"embedded://{args.store or tmp}"
+    store = open_store(url)
+    try:
+        slow = args.ranks // 3 + 1
+        t = time.perf_counter()
+        sim: SimulatedJob = simulate_job(
+            store,
+            ranks=args.ranks,
+            steps=args.steps,
+            ranks_per_node=args.ranks_per_node,
+            slow_rank=slow,
+            slow_link_node=(args.ranks // args.ranks_per_node) // 2,
+        )
+        total = sum(sim.rows.values())
+        print(f"simulate  {args.ranks:,} ranks x {args.steps} steps: {total:,} rows in {time.perf_counter() - t:.1f} s")
+        print("          " + ", ".join(f"{k} {v:,}" for k, v in sim.rows.items()))
+        try:
+            from ranklens.analyzers import find_stragglers, save_findings
+
+            t = time.perf_counter()
+            found = find_stragglers(store, sim.job_id, 0)
+            save_findings(store, found)
+            ok = any(f.suspects and f.suspects[0].rank == slow for f in found)
+            print(
+                f"analyze   straggler analyzer: {time.perf_counter() - t:.2f} s, {len(found)} finding(s), "
+                f"slowed rank {slow} {'found' if ok else 'NOT found'}"
+            )
+        except Exception as e:  # the analyzer is not under test here; the pages work without findings
+            print(f"analyze   straggler analyzer failed: {e}")
+        b = q.job_bounds(store, sim.job_id, 0)
+        pages: list[tuple[str, Callable[[Timer], None]]] = [
+            ("overview", lambda tm: page_overview(store, sim.job_id, tm)),
+            ("findings", lambda tm: page_findings(store, sim.job_id, tm)),
+            ("timeline", lambda tm: page_timeline(store, sim.job_id, tm, b, slow)),
+            *((f"heat:{m}", functools.partial(_heat, store, sim.job_id, b, m)) for m in q.HEAT_METRICS),
+            ("links", lambda tm: page_links(store, sim.job_id, tm, b)),
+            ("hangs", lambda tm: page_hangs(store, sim.job_id, tm)),
+            ("gpu_logs", lambda tm: page_gpu_logs(store, sim.job_id, tm, b)),
+        ]
+        print(f"pages     backend {store.backend}; heat-map rows: {q.choose_heat_axis(b.ranks, b.hosts, b.steps)}")
+        for name, run in pages:
+            tm = Timer()
+            run(tm)
+            print(
+                f"page      {name:16s} queries {tm.query_s:6.2f} s ({tm.queries:2d})   figures {tm.figure_s:5.2f} s   "
+                f"to browser {tm.json_bytes / 1e6:6.2f} MB   total {tm.query_s + tm.figure_s:6.2f} s"
+            )
+        if not args.no_apptest and store.backend == "embedded":
+            run_apptest(url, sim.job_id)
+        return 0
+    finally:
+        store.close()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Dashboard queries on both store backends (chDB and the ClickHouse server, 18.16 in CI), the
+Plotly figure builders as pure functions, and the launcher — without Streamlit's runtime.
+
+The data is a simulated job (``ranklens.dashboards.simulate``): 32 ranks on 8 nodes, rank 5 slowed
+from step 3, node 2's links at a quarter of the bandwidth; and a simulated hung job.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("plotly")
+
+from ranklens.dashboards import charts
+from ranklens.dashboards import queries as q
+from ranklens.dashboards.simulate import simulate_job
+
+SLOW, SLOW_NODE, HANG = 5, 2, 6
+
+
+@pytest.fixture
+def sim(store):
+    job = simulate_job(
+        store, ranks=32, steps=8, ranks_per_node=4, slow_rank=SLOW, slow_from_step=3, slow_link_node=SLOW_NODE
+    )
+    hung = simulate_job(store, ranks=16, steps=4, ranks_per_node=4, hang_rank=HANG, job_id="sim-hung")
+    return store, job, hung
+
+
+def test_jobs_bounds_and_ranks(sim):
+    store, job, hung = sim
+    jobs = q.list_jobs(store)
+    assert {job.job_id, hung.job_id} <= set(jobs["job_id"])
+    row = jobs[jobs["job_id"] == job.job_id].iloc[0]
+    assert row["ranks"] == 32 and row["last_step"] == 7 and row["health"] in ("healthy", "finished")
+    b = q.job_bounds(store, job.job_id, 0)
+    assert (b.ranks, b.hosts, b.first_step, b.last_step, b.steps) == (32, 8, 0, 7, 8)
+    info = q.rank_info(store, job.job_id, 0)
+    assert len(info) == 32 and info.loc[info["rank"] == SLOW, "node"].item() == job.host(SLOW)
+    trend = q.step_trend(store, job.job_id, 0)
+    assert trend["step"].tolist() == list(range(8)) and (trend["max_s"] >= trend["p50_s"]).all()
+    assert len(q.step_trend(store, job.job_id, 0, max_points=3)) <= 4  # bucketed
+    assert set(q.phase_names(store, job.job_id, 0)["phase"]) == {"data", "forward", "backward", "optimizer"}
+
+
+def test_findings_history_and_actions(sim):
+    from ranklens.analyzers import find_stragglers, save_findings
+
+    store, job, _ = sim
+    found = find_stragglers(store, job.job_id, 0)
+    save_findings(store, found)
+    store.write(
+        "actions",
+        [{"finding_id": found[0].id, "job_id": job.job_id, "action": "notify", "outcome": "sent", "ts_ns": 1}],
+    )
+    df = q.findings(store, job.job_id, 0)
+    assert df.iloc[0]["suspect_ranks"].tolist() == [SLOW]
+    assert isinstance(df.iloc[0]["evidence"], dict) and df.iloc[0]["versions"] == 1
+    assert len(q.finding_history(store, found[0].id)) == 1
+    assert q.finding_actions(store, found[0].id)["action"].tolist() == ["notify"]
+
+
+def test_timeline_and_blame(sim):
+    store, job, _ = sim
+    b = q.job_bounds(store, job.job_id, 0)
+    worst = q.worst_ranks(store, job.job_id, 0, 3, 7, 3, b.first_ns)
+    assert int(worst.iloc[0]["culprit"]) == SLOW
+    phases = q.timeline_phases(store, job.job_id, 0, 4, 5, (SLOW, 0))
+    assert set(phases["rank"]) == {SLOW, 0} and len(phases) == 2 * 2 * 4
+    colls = q.timeline_collectives(store, job.job_id, 0, 4, 5, (SLOW, 0))
+    world = colls[colls["pg"] == "0"]
+    assert (world["last_rank"] == SLOW).all() and (world["members"] == 32).all()
+    assert (world["last_enter_ns"] >= world["enter_ns"]).all()
+
+
+@pytest.mark.parametrize("metric", q.HEAT_METRICS)
+def test_heatmap_every_metric_and_axis(sim, metric):
+    store, job, _ = sim
+    b = q.job_bounds(store, job.job_id, 0)
+    kw = {"phase": "backward", "t0_ns": b.first_ns}
+    by_rank = q.heatmap(store, job.job_id, 0, metric, 0, 7, axis="rank", **kw)
+    _z, rows, steps = charts.pivot_heat(by_rank)
+    assert len(rows) == 32 and steps == list(range(8))
+    by_node = q.heatmap(store, job.job_id, 0, metric, 0, 7, axis="node", **kw)
+    assert set(by_node["row_key"]) <= {job.host(r) for r in range(32)} and len(set(by_node["row_key"])) >= 7
+    buckets = q.heatmap(store, job.job_id, 0, metric, 0, 7, axis="bucket", rank_bucket=8, step_bucket=2, **kw)
+    assert set(buckets["row_key"]) <= {0, 8, 16, 24} and set(buckets["step_key"]) <= {0, 2, 4, 6}
+    if metric in ("blame", "step_time", "phase_time"):
+        late = by_rank[by_rank["step_key"] >= 4]
+        hottest = late.groupby("row_key")["value"].sum().idxmax()
+        if metric != "step_time":  # every rank's step lasts as long as the straggler's
+            assert int(hottest) == SLOW
+        hot_node = by_node[by_node["step_key"] >= 4].groupby("row_key")["value"].sum().idxmax()
+        if metric == "blame":
+            assert hot_node == job.host(SLOW)
+
+
+def test_links(sim):
+    store, job, _ = sim
+    pairs = q.pair_bandwidth(store, job.job_id, 0, 0, 7)
+    assert len(pairs) == 16 and (pairs["calls"] == 8).all()
+    nodes = {r: job.host(r) for r in range(32)}
+    m, keys = charts.bandwidth_matrix(pairs, lambda r: nodes[r])
+    assert np.allclose(np.nan_to_num(m), np.nan_to_num(m.T))
+    slow = keys.index(job.host(SLOW_NODE * 4))
+    peer = keys.index(job.host((SLOW_NODE ^ 1) * 4))
+    other = keys.index(job.host(0))
+    assert m[slow, peer] < 0.5 * m[other, keys.index(job.host(4))]
+    groups = q.group_bandwidth(store, job.job_id, 0, 0, 7)
+    bps = dict(zip(groups["pg"], groups["bytes_per_s"]))
+    slow_groups = {pg for pg, v in bps.items() if v < 0.5 * max(bps.values())}
+    first = SLOW_NODE * 4  # the slow node's ranks 8..11 pair with node 3's 12..15: groups pp8..pp11
+    assert slow_groups == {"0", f"tp{SLOW_NODE}", *(f"pp{r}" for r in range(first, first + 4))}
+    per_rank = q.rank_bandwidth(store, job.job_id, 0, 0, 7)
+    assert len(per_rank) == 32 and (per_rank["total_xfer_ns"] > 0).all()
+    names = q.group_names(store, job.job_id, 0)
+    assert names.loc[names["pg"] == "0", "size"].item() == 32
+
+
+def test_hang_groups(sim):
+    store, job, hung = sim
+    g = q.hang_groups(store, hung.job_id, 0)
+    world = g[g["pg_name"] == "0"].iloc[0]
+    assert world["not_entered"] == [HANG] and world["not_entered_n"] == 1
+    assert world["entered_n"] == 15 and world["completed_n"] == 0 and world["members_n"] == 16
+    assert (g[g["pg_name"] != "0"]["completed_n"] == g[g["pg_name"] != "0"]["members_n"]).all()
+    act = q.rank_last_activity(store, hung.job_id, 0, (HANG, 0))
+    assert act["rank"].tolist() == [0, HANG]
+    assert list(act.loc[act["rank"] == 0, "in_flight_pgs"].item()) == ["0"]
+    assert len(q.heartbeat_ages(store, hung.job_id, 0)) == 16
+    healthy = q.hang_groups(store, job.job_id, 0)
+    assert (healthy["not_entered_n"] == 0).all()
+
+
+def test_gpu_and_logs(sim):
+    store, job, hung = sim
+    b = q.job_bounds(store, job.job_id, 0)
+    lo, hi = b.first_ns - 10**12, b.last_ns + 10**12
+    series = q.gpu_series(store, job.job_id, 0, lo, hi, "util_pct", max_series=8)
+    names = set(series["series"])
+    assert {"fleet p10", "fleet p50", "fleet p90"} <= names  # 32 GPUs > 8: summarised
+    assert f"{job.host(SLOW)}:{SLOW % 4}" in names  # the straggler's GPU is among the worst
+    few = q.gpu_series(store, job.job_id, 0, lo, hi, "temp_c", max_series=64)
+    assert len(set(few["series"])) == 32
+    assert q.gpu_events(store, job.job_id, 0, lo, hi)["rank"].tolist() == [SLOW]
+    assert len(q.log_classes(store, job.job_id, 0)) == 1
+    logs = q.log_events(store, hung.job_id, 0, 0, 2**62, klasses=("nccl_timeout",), text="MISSING")
+    assert logs["rank"].tolist() == [HANG]
+    assert q.log_events(store, hung.job_id, 0, 0, 2**62, severities=("error",), ranks=(0,)).empty
+
+
+def test_cached_rejects_unknown_names():
+    with pytest.raises(ValueError):
+        q.cached("get_store", "embedded:///nowhere")
+    with pytest.raises(ValueError):
+        q.cached("os", "embedded:///nowhere")
+
+
+def test_choose_heat_axis_keeps_cells_bounded():
+    assert q.choose_heat_axis(64, 8, 50) == ("rank", 1)
+    assert q.choose_heat_axis(10_240, 1_280, 50) == ("node", 1)
+    axis, bucket = q.choose_heat_axis(10_240, 1, 400)
+    assert axis == "bucket" and (10_240 / bucket) * 400 <= q.MAX_CELLS
+    axis, bucket = q.choose_heat_axis(100_000, 12_500, 400)
+    assert axis == "bucket" and (100_000 / bucket) * 400 <= q.MAX_CELLS
+
+
+def test_charts_are_pure_functions_of_frames():
+    t = 1_800_000_000_000_000_000
+    phases = pd.DataFrame(
+        {
+            "rank": [0, 0, 1, 1],
+            "step": [1, 1, 1, 1],
+            "phase": ["forward", "backward", "forward", "backward"],
+            "start_ns": [t, t + 10, t, t + 30],
+            "end_ns": [t + 10, t + 20, t + 30, t + 60],
+        }
+    )
+    colls = pd.DataFrame(
+        {
+            "rank": [0, 1],
+            "pg": ["0", "0"],
+            "seq": [3, 3],
+            "op": ["all_reduce"] * 2,
+            "nbytes": [8, 8],
+            "step": [1, 1],
+            "enter_ns": [t + 20, t + 60],
+            "end_ns": [t + 70, t + 70],
+            "last_enter_ns": [t + 60, t + 60],
+            "last_rank": [1, 1],
+            "members": [2, 2],
+        }
+    )
+    fig = charts.gantt_chart(phases, colls, highlight=("0", 3), culprits=[1])
+    names = [tr.name for tr in fig.data]
+    assert names[:2] == ["forward", "backward"] and "waiting for last arriver" in names
+    wait = next(tr for tr in fig.data if tr.name == "waiting for last arriver")
+    assert list(wait.x) == pytest.approx([40e-6, 0.0])  # rank 0 waited 40 ns for rank 1
+    assert "rank 1 ⚠" in fig.layout.yaxis.categoryarray
+    z, rows, steps = charts.pivot_heat(
+        pd.DataFrame({"row_key": [0, 1, 1], "step_key": [5, 5, 6], "value": [1.0, 2.0, 3.0]})
+    )
+    assert rows == [0, 1] and steps == [5, 6] and np.isnan(z[0, 1]) and z[1, 1] == 3.0
+    heat = charts.heatmap_chart(z, ["a", "b"], steps, title="t", highlight_rows=[1])
+    assert len(heat.layout.shapes) == 1
+    for empty in (
+        charts.step_trend_chart(pd.DataFrame(columns=["step", "p50_s", "p90_s", "max_s"])),
+        charts.findings_impact_chart(pd.DataFrame()),
+        charts.gantt_chart(phases.head(0), colls.head(0)),
+        charts.hang_groups_chart(pd.DataFrame()),
+        charts.log_events_chart(pd.DataFrame(), x_range=(t, t + 1)),
+    ):
+        assert empty.layout.annotations and not empty.data
+    onset = charts.finding_onset_chart([{"step": 1, "excess_s": 0.2}, {"step": 2, "excess_s": 0.3}], 1, 2)
+    assert [tr.name for tr in onset.data] == ["excess"]
+
+
+def test_launcher_command_and_errors(tmp_path):
+    from ranklens.dashboards.launch import APP_PATH, dashboard_command, start_dashboard
+    from ranklens.errors import ConfigError, StoreUnavailable
+
+    cmd = dashboard_command("127.0.0.1", 8600)
+    assert cmd[1:5] == ["-m", "streamlit", "run", str(APP_PATH)]
+    assert cmd[cmd.index("--server.port") + 1] == "8600"
+    assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--browser.gatherUsageStats") + 1] == "false"
+    with pytest.raises(ConfigError, match="--port"):
+        dashboard_command("127.0.0.1", 0)
+    with pytest.raises(ConfigError, match="--host"):
+        dashboard_command("", 8501)
+    with pytest.raises(StoreUnavailable, match="no ranklens store"):
+        start_dashboard(f"embedded://{tmp_path / 'missing'}", "127.0.0.1", 8601)
