@@ -22,8 +22,11 @@ def _esc(s: str) -> str:
     return s.replace("\\", "\\\\").replace("'", "\\'")
 
 
-def blame_sql(job_id: str, attempt: int, t0_ns: int) -> str:
-    """Per (last arriver, step): the collectives it was last at, each with its last arrival and
+def blame_sql(job_id: str, attempt: int, t0_ns: int, only_ranks: list[int] | None = None) -> str:
+    """Point-to-point transfers are left out: in a pipeline the receiver of activations waits for
+    the sender by design (the pipeline bubble), which is not the sender's fault.
+
+    Per (last arriver, step): the collectives it was last at, each with its last arrival and
     the mean wait of the other members. Arrival times are taken relative to ``t0_ns`` in Float64
     so sums cannot overflow Int64 at 10,000 ranks."""
     return f"""
@@ -38,13 +41,17 @@ FROM
            toFloat64(max(enter_ns) - {t0_ns}) AS last_enter,
            (last_enter * count() - sum(toFloat64(enter_ns - {t0_ns}))) / (members - 1) AS delay_ns
     FROM collectives
-    WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= 0
+    WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= 0 AND position(pg, '/p2p:') = 0
     GROUP BY pg, seq
     HAVING members >= 2
-)
+){_only(only_ranks)}
 GROUP BY last_rank, at_step
 ORDER BY at_step, last_rank
 """.strip()
+
+
+def _only(ranks: list[int] | None) -> str:
+    return f"\nWHERE last_rank IN ({', '.join(str(int(r)) for r in ranks)})" if ranks else ""
 
 
 def union_length(ends: np.ndarray, lengths: np.ndarray) -> float:
@@ -109,12 +116,13 @@ class BlameMatrix:
     sql: str
 
 
-def compute_blame(store: Store, job_id: str, attempt: int = 0) -> BlameMatrix:
-    """Run the blame metric in the store and shape it as a rank x step matrix."""
+def compute_blame(store: Store, job_id: str, attempt: int = 0, *, only_ranks: list[int] | None = None) -> BlameMatrix:
+    """Run the blame metric in the store and shape it as a rank x step matrix (only the blame of
+    ``only_ranks`` when given: evidence for suspects found by another detector)."""
     t0 = store.query(
         f"SELECT min(enter_ns) FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
     ).scalar()
-    sql = blame_sql(job_id, attempt, int(t0 or 0))
+    sql = blame_sql(job_id, attempt, int(t0 or 0), only_ranks)
     b = store.query(sql)
     st = store.query(step_times_sql(job_id, attempt))
     hosts_q = store.query(

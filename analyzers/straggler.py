@@ -196,7 +196,7 @@ def find_stragglers(store: Store, job_id: str, attempt: int = 0, *, detector: An
         return sorted(findings, key=lambda f: -f.impact_s)
     peer_detector = detector or PeerComputeDetector()
     detections = peer_detector.detect(cm)
-    blame = compute_blame(store, job_id, attempt) if detections else None
+    blame = compute_blame(store, job_id, attempt, only_ranks=[d.rank for d in detections]) if detections else None
     findings = [
         to_peer_finding(
             cm, blame, d, peer_detector, phase_excess(store, cm, d.rank, cm.steps[d.onset_index : d.last_index + 1])
