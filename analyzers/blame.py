@@ -22,24 +22,36 @@ def _esc(s: str) -> str:
     return s.replace("\\", "\\\\").replace("'", "\\'")
 
 
-def blame_sql(job_id: str, attempt: int, t0_ns: int, only_ranks: list[int] | None = None) -> str:
+def _aligned(offsets: dict[int, int] | None) -> str:
+    """``enter_ns`` on the reference clock: minus the rank's host clock offset."""
+    if not offsets:
+        return "enter_ns"
+    ks = ", ".join(str(int(k)) for k in offsets)
+    vs = ", ".join(f"toInt64({int(v)})" for v in offsets.values())
+    return f"(enter_ns - transform(rank, [{ks}], [{vs}], toInt64(0)))"
+
+
+def blame_sql(
+    job_id: str, attempt: int, t0_ns: int, only_ranks: list[int] | None = None, offsets: dict[int, int] | None = None
+) -> str:
     """Point-to-point transfers are left out: in a pipeline the receiver of activations waits for
     the sender by design (the pipeline bubble), which is not the sender's fault.
 
     Per (last arriver, step): the collectives it was last at, each with its last arrival and
     the mean wait of the other members. Arrival times are taken relative to ``t0_ns`` in Float64
     so sums cannot overflow Int64 at 10,000 ranks."""
+    enter = _aligned(offsets)
     return f"""
 SELECT last_rank, at_step, count() AS collectives,
        groupArray(last_enter) AS last_enters, groupArray(delay_ns) AS delays, avg(members) AS avg_members
 FROM
 (
     SELECT pg, seq,
-           argMax(rank, enter_ns) AS last_rank,
-           argMax(step, enter_ns) AS at_step,
+           argMax(rank, {enter}) AS last_rank,
+           argMax(step, {enter}) AS at_step,
            count() AS members,
-           toFloat64(max(enter_ns) - {t0_ns}) AS last_enter,
-           (last_enter * count() - sum(toFloat64(enter_ns - {t0_ns}))) / (members - 1) AS delay_ns
+           toFloat64(max({enter}) - {t0_ns}) AS last_enter,
+           (last_enter * count() - sum(toFloat64({enter} - {t0_ns}))) / (members - 1) AS delay_ns
     FROM collectives
     WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= 0 AND position(pg, '/p2p:') = 0
     GROUP BY pg, seq
@@ -116,13 +128,21 @@ class BlameMatrix:
     sql: str
 
 
-def compute_blame(store: Store, job_id: str, attempt: int = 0, *, only_ranks: list[int] | None = None) -> BlameMatrix:
+def compute_blame(
+    store: Store, job_id: str, attempt: int = 0, *, only_ranks: list[int] | None = None, align: bool = True
+) -> BlameMatrix:
     """Run the blame metric in the store and shape it as a rank x step matrix (only the blame of
     ``only_ranks`` when given: evidence for suspects found by another detector)."""
     t0 = store.query(
         f"SELECT min(enter_ns) FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
     ).scalar()
-    sql = blame_sql(job_id, attempt, int(t0 or 0), only_ranks)
+    offsets = None
+    if align:
+        from ranklens.analyzers.clocks import clock_offsets, rank_offsets
+
+        host_offsets = clock_offsets(store, job_id, attempt)
+        offsets = {r: o for r, o in rank_offsets(store, job_id, attempt, host_offsets).items() if o} or None
+    sql = blame_sql(job_id, attempt, int(t0 or 0), only_ranks, offsets)
     b = store.query(sql)
     st = store.query(step_times_sql(job_id, attempt))
     hosts_q = store.query(
