@@ -45,6 +45,22 @@ def main() -> None:
                     dist.recv(torch.zeros(10), src=peer)
                     req = dist.isend(torch.ones(10), dst=peer)
                 req.wait()
+            # the rest of what gloo supports
+            dist.reduce(t, dst=0)
+            parts = [torch.zeros(256) for _ in range(world)]
+            dist.all_gather(parts, t)
+            dist.gather(t, gather_list=[torch.zeros(256) for _ in range(world)] if rank == 0 else None, dst=0)
+            dist.scatter(
+                torch.zeros(256), scatter_list=[torch.ones(256) for _ in range(world)] if rank == 0 else None, src=0
+            )
+            a2a_out = torch.zeros(4 * world)
+            dist.all_to_all_single(a2a_out, torch.ones(4 * world))
+            ops = [
+                dist.P2POp(dist.isend, torch.ones(8), (rank + 1) % world),
+                dist.P2POp(dist.irecv, torch.zeros(8), (rank - 1) % world),
+            ]
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
             dist.barrier()
     rlt.shutdown()
     dist.destroy_process_group()

@@ -166,8 +166,19 @@ def test_real_gloo_job_ledger(tmp_path, embedded_store):
         "irecv",
     } <= ops
     # p2p pairs line up: rank 0's send #k matches rank 1's recv #k
-    p2p = q("SELECT pg, seq, groupArray(op) FROM collectives WHERE pg LIKE '%/p2p:%' GROUP BY pg, seq").rows()
-    assert len(p2p) == 6 and all(sorted(o) in (["recv", "send"], ["irecv", "isend"]) for _, _, o in p2p)
+    # p2p: every (pg, seq) of a direction pairs one sending call on the source with one receiving call
+    # on the destination, of the same size (send/recv, isend/irecv and batch_isend_irecv share the counter)
+    p2p = q(
+        "SELECT pg, seq, groupArray(op), groupArray(rank), uniqExact(nbytes) FROM collectives "
+        "WHERE pg LIKE '%/p2p:%' GROUP BY pg, seq"
+    ).rows()
+    for pg, _seq, ops_, ranks_, sizes in p2p:
+        src, dst = (int(x) for x in pg.rsplit(":", 1)[1].split("->"))
+        by_rank = dict(zip(ranks_, ops_))
+        assert sorted(by_rank) == sorted([src, dst]) and sizes == 1, (pg, ops_, ranks_)
+        assert by_rank[src] in ("send", "isend") and by_rank[dst] in ("recv", "irecv"), (pg, by_rank)
+    # send/recv pairs between ranks 0 and 1 (2 per step) and the batch_isend_irecv ring (4 per step), 3 steps
+    assert len(p2p) == 3 * (2 + 4)
     # async completion comes from the work's future, not from the late wait(): < 0.2 s
     async_ms = q(
         "SELECT max(end_ns - enter_ns) / 1e6 FROM collectives WHERE async_op = 1 AND op = 'all_reduce'"
