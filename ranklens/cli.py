@@ -709,6 +709,30 @@ def collect(
     Agent(cfg, store=store).run()
 
 
+@cli.command("collector", epilog=_EPILOG)
+@_store_option
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Collector config file (TOML: [collector], [[logs]], [filter], [[rules]]).",
+)
+@click.option("--spool", "spool_dir", envvar="RANKLENS_SPOOL", default=None, help="Spool root (env RANKLENS_SPOOL).")
+@click.option("--logs", "log_globs", multiple=True, metavar="GLOB", help="Log files to follow (repeatable).")
+@click.option(
+    "--rules", "rules_file", type=click.Path(exists=True, dir_okay=False), default=None, help="Log filter rules (TOML)."
+)
+@click.option("--nvml/--no-nvml", default=None, help="Sample GPUs through NVML (default: when available).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve Prometheus metrics here.")
+@click.option("--metrics-addr", default=None, help="Address the metrics endpoint binds (default 0.0.0.0).")
+@click.pass_context
+def collector(ctx: click.Context, **kwargs: Any) -> None:
+    """Run the per-node collector agent (the same as `ranklens collect --follow`): ship rank spools,
+    filter logs at the source, sample GPU health, serve Prometheus metrics, until SIGTERM/Ctrl-C."""
+    ctx.invoke(collect, follow=True, interval=None, **kwargs)
+
+
 @cli.group()
 def logs() -> None:
     """Log filtering at the source, offline."""

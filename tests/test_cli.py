@@ -11,7 +11,22 @@ from click.testing import CliRunner
 
 from ranklens.cli import cli
 
-COMMANDS = ["demo", "analyze", "ingest", "sql", "collect", "schema", "version"]
+COMMANDS = [
+    "demo",
+    "analyze",
+    "ingest",
+    "sql",
+    "collect",
+    "collector",
+    "schema",
+    "version",
+    "run",
+    "simulate",
+    "dashboard",
+    "deliver",
+    "alerts-receiver",
+    "logs",
+]
 
 
 def run(*args, env=None):
