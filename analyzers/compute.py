@@ -25,11 +25,11 @@ def _esc(s: str) -> str:
     return s.replace("\\", "\\\\").replace("'", "\\'")
 
 
-def _waits_subquery(job_id: str, attempt: int) -> str:
+def _waits_subquery(job_id: str, attempt: int, min_step: int = 0) -> str:
     return (
         "SELECT rank, step, groupArray(enter_ns) AS enters, groupArray(if(end_ns > 0, end_ns, enter_ns)) AS ends, "
         "groupArray(async_op) AS asyncs "
-        f"FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= 0 "
+        f"FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= {int(min_step)} "
         "GROUP BY rank, step"
     )
 
@@ -47,12 +47,13 @@ _WAIT_EXPR = (
 )
 
 
-def compute_sql(job_id: str, attempt: int) -> str:
-    """Per (rank, step): step duration and time inside collectives."""
+def compute_sql(job_id: str, attempt: int, min_step: int = 0) -> str:
+    """Per (rank, step) from ``min_step`` on: step duration and time inside collectives."""
     return f"""
 SELECT rank, step, end_ns - start_ns AS dur_ns, {_WAIT_EXPR} AS wait_ns, start_ns
-FROM (SELECT rank, step, start_ns, end_ns FROM steps WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}) AS s
-ALL LEFT JOIN ({_waits_subquery(job_id, attempt)}) AS c USING (rank, step)
+FROM (SELECT rank, step, start_ns, end_ns FROM steps
+      WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= {int(min_step)}) AS s
+ALL LEFT JOIN ({_waits_subquery(job_id, attempt, min_step)}) AS c USING (rank, step)
 ORDER BY step, rank
 """.strip()
 
@@ -102,9 +103,16 @@ def _peer_groups(store: Store, job_id: str, attempt: int, ranks: np.ndarray) -> 
     return labels, hosts
 
 
-def compute_matrix(store: Store, job_id: str, attempt: int = 0) -> ComputeMatrix:
-    """Run the compute metric in the store and shape it as rank x step matrices."""
-    sql = compute_sql(job_id, attempt)
+def compute_matrix(store: Store, job_id: str, attempt: int = 0, *, window_steps: int | None = None) -> ComputeMatrix:
+    """Run the compute metric in the store and shape it as rank x step matrices (only the last
+    ``window_steps`` steps when given: a live loop does not rescan the whole history)."""
+    min_step = 0
+    if window_steps:
+        top = store.query(
+            f"SELECT max(step) FROM steps WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+        ).scalar()
+        min_step = max(0, int(top or 0) - int(window_steps) + 1)
+    sql = compute_sql(job_id, attempt, min_step)
     r = store.query(sql)
     if r.num_rows == 0:
         z = np.zeros((0, 0))

@@ -29,10 +29,14 @@ def analyze_job(
     detector: StragglerDetector | None = None,
     hang_config: HangConfig | None = None,
     now_ns: int | None = None,
+    window_steps: int | None = None,
 ) -> list[Finding]:
-    """Every finding of one job attempt: hangs/crashes/desyncs first, then stragglers by impact."""
+    """Every finding of one job attempt: hangs/crashes/desyncs first, then stragglers by impact.
+
+    ``window_steps`` limits the straggler analysis to the most recent steps (the live loop uses
+    it so each pass costs the same however long the job has run)."""
     hangs = detect_live_hangs(store, job_id, attempt, config=hang_config, now_ns=now_ns)
-    return hangs + find_stragglers(store, job_id, attempt, detector=detector)
+    return hangs + find_stragglers(store, job_id, attempt, detector=detector, window_steps=window_steps)
 
 
 @dataclass

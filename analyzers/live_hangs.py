@@ -107,7 +107,7 @@ def pid_alive_local(host: str, pid: int) -> bool | None:
         return True
 
 
-def _heartbeat_sql(job_id: str, attempt: int) -> str:
+def _heartbeat_sql(job_id: str, attempt: int, since_ns: int = 0) -> str:
     cols = (
         "ts_ns",
         "pid",
@@ -129,13 +129,13 @@ def _heartbeat_sql(job_id: str, attempt: int) -> str:
     latest = ", ".join(f"argMax({c}, ts_ns) AS hb_{c}" for c in cols)
     return (
         f"SELECT rank, {latest} FROM heartbeats WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} "
-        "GROUP BY rank ORDER BY rank"
+        f"AND ts_ns >= {int(since_ns)} GROUP BY rank ORDER BY rank"
     )
 
 
-def _load_ranks(store: Store, job_id: str, attempt: int) -> dict[int, LiveRank]:
+def _load_ranks(store: Store, job_id: str, attempt: int, since_ns: int = 0) -> dict[int, LiveRank]:
     out = {}
-    for row in store.query(_heartbeat_sql(job_id, attempt)).to_pylist():
+    for row in store.query(_heartbeat_sql(job_id, attempt, since_ns)).to_pylist():
         h = {k.removeprefix("hb_"): v for k, v in row.items()}
         pending = {
             (pg, int(seq)): (op, int(nb), int(t))
@@ -226,7 +226,8 @@ def detect_live_hangs(
     """
     cfg = config or HangConfig()
     now = now_ns if now_ns is not None else time.time_ns()
-    ranks = _load_ranks(store, job_id, attempt)
+    # only recent heartbeats: a live loop does not rescan the job's whole history each pass
+    ranks = _load_ranks(store, job_id, attempt, since_ns=now - int(cfg.live_window_s * 1e9))
     if not ranks:
         return []
     if now - max(r.ts_ns for r in ranks.values()) > cfg.live_window_s * 1e9:

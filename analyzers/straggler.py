@@ -177,7 +177,9 @@ def to_peer_finding(
     )
 
 
-def find_stragglers(store: Store, job_id: str, attempt: int = 0, *, detector: Any = None) -> list[Finding]:
+def find_stragglers(
+    store: Store, job_id: str, attempt: int = 0, *, detector: Any = None, window_steps: int | None = None
+) -> list[Finding]:
     """Straggler findings of one job attempt, most costly first.
 
     By default ranks are compared with their peers on compute time (:class:`PeerComputeDetector`),
@@ -188,7 +190,7 @@ def find_stragglers(store: Store, job_id: str, attempt: int = 0, *, detector: An
         blame = compute_blame(store, job_id, attempt)
         findings = [to_finding(blame, d, detector) for d in detector.detect(blame)]
         return sorted(findings, key=lambda f: -f.impact_s)
-    cm = compute_matrix(store, job_id, attempt)
+    cm = compute_matrix(store, job_id, attempt, window_steps=window_steps)
     if cm.empty:
         blame_detector = PersistentBlameDetector()
         blame = compute_blame(store, job_id, attempt)

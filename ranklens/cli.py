@@ -395,6 +395,7 @@ def _follow(
     interval: float,
     engine: Any = None,
     metrics_port: int | None = None,
+    window_steps: int = 500,
 ) -> None:
     import time
 
@@ -416,7 +417,7 @@ def _follow(
         click.echo(f"following job {job_id} attempt {attempt} every {interval:g} s (Ctrl-C to stop)", err=True)
     try:
         while True:
-            current = analyze_job(store, job_id, attempt)
+            current = analyze_job(store, job_id, attempt, window_steps=window_steps)
             update = tracker.update(current)
             changed = update.all()
             if save and changed:

@@ -1,0 +1,405 @@
+"""Link detectors: decide from link cells which link is slow. Swap them freely.
+
+A detector takes :class:`~ranklens.analyzers.links.LinkMetrics` and returns a
+:class:`LinkReport`; it neither queries nor prints.
+
+:class:`GroupTestingDetector` does network tomography by group testing. Every cell (a group's
+collectives in a window) is a *test* of the links its traffic crosses: an inter-node group crosses
+the network link of each of its nodes (and, for a group of two nodes, the link between them); a
+group within one node crosses that node's intra-node link. A test is *slow* when the cell's
+bandwidth is well below the baseline of comparable groups (same op family, group size, number of
+nodes and message size: the ``baseline_quantile`` of their bandwidths, so that a minority of slow
+groups does not drag it down), *fast* when it is close to it.
+
+* A link common to the slow tests and absent from the fast ones is the suspect: its *purity* (slow
+  tests / all decided tests through it, counted in the windows where it is slow, so an onset mid-job
+  does not dilute it) must be high, and at least ``min_independent`` independent groups (different
+  partner nodes, or different rank pairs for a pair link) must agree. Greedy set cover picks the
+  link explaining most slow tests, removes what it explains, and repeats: several faulty links
+  are found, and healthy nodes that merely share a group with the faulty one are exonerated by
+  their other, fast groups.
+* A window where most inter-node tests are slow and no single link explains them is a *congested
+  period that hits everyone*: reported as such, and kept out of the localization.
+* A compute straggler arrives late but transfers at full speed: the metric measures transfer
+  after the last arrival, so its groups are not slow tests at all.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ranklens.analyzers.links import LinkMetrics
+
+__all__ = [
+    "CongestionDetection",
+    "GroupTestingDetector",
+    "Link",
+    "LinkDetection",
+    "LinkDetector",
+    "LinkReport",
+    "node_key",
+]
+
+SLOW, FAST, UNCLEAR = 1, -1, 0
+_KIND_ORDER = {"pair": 2, "node": 1, "intra": 0}  # ties: the more specific explanation
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link that traffic crosses: a node's network link (``kind="node"``), the link between two
+    nodes (``"pair"``), or a node's intra-node link (``"intra"``)."""
+
+    kind: str
+    nodes: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """``node3<->network``, ``node1<->node3`` or ``node3<->node3`` (intra-node)."""
+        if self.kind == "node":
+            return f"{self.nodes[0]}<->network"
+        if self.kind == "intra":
+            return f"{self.nodes[0]}<->{self.nodes[0]}"
+        return "<->".join(self.nodes)
+
+    def describe(self) -> str:
+        """The link in words, for titles."""
+        if self.kind == "node":
+            return f"{self.nodes[0]}'s network link"
+        if self.kind == "intra":
+            return f"{self.nodes[0]}'s intra-node link"
+        return f"the link between {self.nodes[0]} and {self.nodes[1]}"
+
+
+@dataclass(frozen=True)
+class LinkDetection:
+    """A slow link: the slow tests it explains, the fast tests through it (in its slow windows),
+    its purity, how many independent groups agree, and the resulting confidence."""
+
+    link: Link
+    slow_cells: tuple[int, ...]
+    fast_cells: tuple[int, ...]
+    purity: float
+    independent_groups: int
+    confidence: float
+
+
+@dataclass(frozen=True)
+class CongestionDetection:
+    """A period (consecutive windows) in which most inter-node groups were slow, unexplained by one
+    link: ``slow_share`` of the inter-node tests were slow, by a median ``slowdown``, over ``nodes``
+    distinct nodes."""
+
+    windows: tuple[int, ...]
+    cells: tuple[int, ...]
+    slow_share: float
+    slowdown: float
+    nodes: int
+
+
+@dataclass(frozen=True)
+class LinkReport:
+    """What a detector decided, plus per cell its baseline, slowdown ratio and verdict."""
+
+    links: list[LinkDetection]
+    congestion: list[CongestionDetection]
+    baseline_Bps: np.ndarray
+    ratio: np.ndarray
+    verdict: np.ndarray  # SLOW, FAST or UNCLEAR per cell
+    window: np.ndarray
+    cell_links: list[tuple[Link, ...]] = field(default_factory=list, repr=False)
+
+    def reference_cells(self, d: LinkDetection, limit: int = 200) -> list[int]:
+        """Up to ``limit`` fast cells in the detection's windows, of the same classes (same baseline)
+        as its slow cells, that do not cross its link: healthy references."""
+        wins = {int(self.window[i]) for i in d.slow_cells}
+        bases = {float(self.baseline_Bps[i]) for i in d.slow_cells}
+        out = []
+        for i in np.flatnonzero(self.verdict == FAST):
+            if (
+                int(self.window[i]) in wins
+                and float(self.baseline_Bps[i]) in bases
+                and d.link not in self.cell_links[i]
+            ):
+                out.append(int(i))
+                if len(out) >= limit:
+                    break
+        return out
+
+
+class LinkDetector(Protocol):
+    """Decides from link cells which links are slow and which periods are congested."""
+
+    name: str
+
+    def detect(self, metrics: LinkMetrics) -> LinkReport: ...
+
+
+def node_key(name: str) -> tuple[object, ...]:
+    """Natural order of node names: node9 before node13."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def _links_of(nodes: tuple[str, ...]) -> tuple[Link, ...]:
+    if len(nodes) == 1:
+        return (Link("intra", nodes),)
+    out = [Link("node", (n,)) for n in nodes]
+    if len(nodes) == 2:
+        out.append(Link("pair", tuple(sorted(nodes, key=node_key))))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class GroupTestingDetector:
+    """Group testing over overlapping groups (see the module docstring).
+
+    Args:
+        slow_ratio: a test is slow when baseline / bandwidth >= this...
+        min_excess_s: ...and its median transfer is at least this much longer than at baseline.
+        fast_ratio: a test is fast when baseline / bandwidth <= this; in between it is unclear (no vote).
+        baseline_quantile: quantile of comparable cells' bandwidths taken as the healthy baseline.
+        min_class_groups: a class of comparable cells needs this many distinct groups to judge.
+        min_purity: a suspect link's share of slow tests among its decided tests.
+        min_slow_tests: a suspect link explains at least this many slow tests...
+        min_independent: ...from at least this many independent groups...
+        min_windows: ...in at least this many windows...
+        min_persistence: ...and in at least this share of the windows it was tested in, between its
+            first and its last slow window (noise is sporadic, a fault persists or flaps).
+        noise_k: in a class whose groups' bandwidth varies over time by sigma (log scale), a test
+            is slow only when also >= exp(noise_k * sigma) below baseline (fast: proportionally).
+        congestion_share: a window whose inter-node tests are at least this share slow, and still
+            are after removing what single links clearly explain, is congested.
+    """
+
+    slow_ratio: float = 1.5
+    min_excess_s: float = 0.0002
+    fast_ratio: float = 1.25
+    baseline_quantile: float = 0.75
+    min_class_groups: int = 2
+    min_purity: float = 0.8
+    min_slow_tests: int = 3
+    min_independent: int = 2
+    min_windows: int = 2
+    min_persistence: float = 0.5
+    congestion_share: float = 0.5
+    noise_k: float = 3.0
+    name: str = "group_testing"
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.fast_ratio <= self.slow_ratio or self.slow_ratio <= 1.0:
+            raise ValueError(
+                f"need 1 <= fast_ratio ({self.fast_ratio}) <= slow_ratio ({self.slow_ratio}), 1 < slow_ratio"
+            )
+        if self.noise_k < 0 or self.min_excess_s < 0:
+            raise ValueError("noise_k and min_excess_s must be >= 0")
+        for name in ("baseline_quantile", "min_purity", "congestion_share", "min_persistence"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"GroupTestingDetector.{name}={getattr(self, name)} must be in (0, 1]")
+        if min(self.min_slow_tests, self.min_independent, self.min_windows, self.min_class_groups) < 1:
+            raise ValueError("min_slow_tests, min_independent, min_windows and min_class_groups must be >= 1")
+
+    def thresholds(self) -> dict[str, float]:
+        """The parameters, for a finding's evidence."""
+        return {k: v for k, v in asdict(self).items() if k != "name"}
+
+    # -------------------------------------------------------------------------------- verdicts
+
+    def _baselines(self, m: LinkMetrics, n_nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per cell: the healthy bandwidth of its class, and its class's noise (sigma of log bandwidth
+        over time within a group, the median over the class's groups)."""
+        base = np.full(len(m), np.nan)
+        noise = np.zeros(len(m))
+        classes: dict[tuple[object, ...], list[int]] = defaultdict(list)
+        for i in range(len(m)):
+            classes[(m.family[i], int(m.members[i]), int(n_nodes[i]), int(m.size_bucket[i]))].append(i)
+        log_bw = np.log(np.maximum(m.bw_Bps, 1e-9))
+        for idx in classes.values():
+            by_group: dict[object, list[int]] = defaultdict(list)
+            for i in idx:
+                by_group[m.pg[i]].append(i)
+            if len(by_group) < self.min_class_groups:
+                continue
+            sel = np.asarray(idx)
+            base[sel] = float(np.quantile(m.bw_Bps[sel], self.baseline_quantile))
+            # a persistently slow group varies little over time; noise varies: the median group's
+            # robust spread over windows is the class's measurement noise
+            spreads = [
+                1.4826 * float(np.median(np.abs(log_bw[g] - np.median(log_bw[g]))))
+                for g in by_group.values()
+                if len(g) >= 3
+            ]
+            noise[sel] = float(np.median(spreads)) if spreads else 0.0
+        return base, noise
+
+    def detect(self, metrics: LinkMetrics) -> LinkReport:
+        """Verdict per cell, congested periods, then slow links by greedy group testing."""
+        m = metrics
+        n = len(m)
+        cell_nodes = [m.nodes_of(i) for i in range(n)]
+        n_nodes = np.array([len(x) for x in cell_nodes], dtype=np.int64)
+        base, noise = self._baselines(m, n_nodes)
+        # noisy measurements (CPU-bound transfers of a few ms) need a larger slowdown to count
+        slow_limit = np.maximum(self.slow_ratio, np.exp(self.noise_k * noise))
+        fast_limit = np.maximum(self.fast_ratio, slow_limit ** (np.log(self.fast_ratio) / np.log(self.slow_ratio)))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(np.isfinite(base) & (m.bw_Bps > 0), base / m.bw_Bps, np.nan)
+            excess = m.xfer_s - m.xfer_s / ratio
+        known = np.isfinite(ratio) & (n_nodes > 0)
+        slow = known & (ratio >= slow_limit) & (excess >= self.min_excess_s)
+        fast = known & ~slow & (ratio <= fast_limit)
+        verdict = np.where(slow, SLOW, np.where(fast, FAST, UNCLEAR)).astype(np.int8)
+        by_pg: dict[str, tuple[Link, ...]] = {}
+        for pg, g in m.groups.items():
+            by_pg[pg] = _links_of(g.nodes) if g.nodes else ()
+        cell_links = [by_pg.get(str(p), ()) for p in m.pg]
+
+        congested, congestion = self._congestion(m, cell_links, cell_nodes, n_nodes, slow, fast, ratio)
+        usable = ~np.isin(m.window, list(congested)) if congested else np.ones(n, dtype=bool)
+        links = self._localize(m, cell_links, slow & usable, fast & usable)
+        return LinkReport(links, congestion, base, ratio, verdict, m.window, cell_links)
+
+    # ------------------------------------------------------------------------------ congestion
+
+    def _residual_share(
+        self, idx: np.ndarray, cell_links: list[tuple[Link, ...]], slow: np.ndarray, fast: np.ndarray
+    ) -> float:
+        """Share of a window's decided tests still slow after removing what single links clearly
+        explain: a link (pure enough) that covers more slow tests than any link sharing no node with
+        it. When everyone is slow, unrelated links tie and nothing is removed."""
+        left = {int(i) for i in idx if slow[i]}
+        decided = int((slow[idx] | fast[idx]).sum())
+        for _ in range(3):
+            s_count: dict[Link, int] = defaultdict(int)
+            f_count: dict[Link, int] = defaultdict(int)
+            for i in idx:
+                for lk in cell_links[i]:
+                    if int(i) in left:
+                        s_count[lk] += 1
+                    elif fast[i]:
+                        f_count[lk] += 1
+            good = [(c, lk) for lk, c in s_count.items() if c / (c + f_count[lk]) >= self.min_purity]
+            if not good:
+                break
+            good.sort(key=lambda x: (-x[0], -_KIND_ORDER[x[1].kind], x[1].name))
+            best_c, best = good[0]
+            rival = max((c for c, lk in good[1:] if not set(lk.nodes) & set(best.nodes)), default=0)
+            if best_c <= rival:
+                break
+            left -= {int(i) for i in idx if best in cell_links[i]}
+        return len(left) / max(1, decided)
+
+    def _congestion(
+        self,
+        m: LinkMetrics,
+        cell_links: list[tuple[Link, ...]],
+        cell_nodes: list[tuple[str, ...]],
+        n_nodes: np.ndarray,
+        slow: np.ndarray,
+        fast: np.ndarray,
+        ratio: np.ndarray,
+    ) -> tuple[set[int], list[CongestionDetection]]:
+        congested: list[int] = []
+        for w in np.unique(m.window):
+            idx = np.flatnonzero((m.window == w) & (n_nodes >= 2) & (slow | fast))
+            if len(idx) == 0 or slow[idx].mean() < self.congestion_share:
+                continue
+            if self._residual_share(idx, cell_links, slow, fast) >= self.congestion_share:
+                congested.append(int(w))
+        out = []
+        for run in _runs(sorted(congested)):
+            if len(run) < self.min_windows:
+                continue
+            sel = np.isin(m.window, run) & (n_nodes >= 2)
+            decided = sel & (slow | fast)
+            cells = np.flatnonzero(sel & slow)
+            nodes = {x for i in cells for x in cell_nodes[i]}
+            out.append(
+                CongestionDetection(
+                    windows=tuple(run),
+                    cells=tuple(int(i) for i in cells),
+                    slow_share=float(len(cells) / max(1, decided.sum())),
+                    slowdown=float(np.median(ratio[cells])) if len(cells) else 1.0,
+                    nodes=len(nodes),
+                )
+            )
+        return set(congested), out
+
+    # ---------------------------------------------------------------------------- localization
+
+    def _localize(
+        self, m: LinkMetrics, cell_links: list[tuple[Link, ...]], slow: np.ndarray, fast: np.ndarray
+    ) -> list[LinkDetection]:
+        slow_of: dict[Link, list[int]] = defaultdict(list)
+        decided_of: dict[Link, list[int]] = defaultdict(list)
+        for i in np.flatnonzero(slow | fast):
+            for lk in cell_links[i]:
+                decided_of[lk].append(int(i))
+                if slow[i]:
+                    slow_of[lk].append(int(i))
+        candidates = []
+        for lk, s_cells in slow_of.items():
+            if len(s_cells) < self.min_slow_tests:
+                continue
+            wins = {int(m.window[i]) for i in s_cells}
+            if len(wins) < self.min_windows:
+                continue
+            f_cells = [i for i in decided_of[lk] if fast[i] and int(m.window[i]) in wins]
+            purity = len(s_cells) / (len(s_cells) + len(f_cells))
+            if purity < self.min_purity:
+                continue
+            # persistence: slow in most windows it was tested in, from its first to its last slow one
+            lo, hi = min(wins), max(wins)
+            tested = {int(m.window[i]) for i in decided_of[lk] if lo <= int(m.window[i]) <= hi}
+            if len(wins) < self.min_persistence * len(tested):
+                continue
+            candidates.append((lk, s_cells, f_cells, purity))
+        remaining = slow.copy()
+        out: list[LinkDetection] = []
+        while candidates:
+            scored = []
+            for lk, s_cells, f_cells, purity in candidates:
+                left = [i for i in s_cells if remaining[i]]
+                k = _independent(m, lk, left)
+                wins = {int(m.window[i]) for i in left}
+                if len(left) < self.min_slow_tests or k < self.min_independent or len(wins) < self.min_windows:
+                    continue
+                scored.append((len(left) * purity, _KIND_ORDER[lk.kind], lk.name, lk, left, f_cells, purity, k))
+            if not scored:
+                break
+            scored.sort(key=lambda x: (-x[0], -x[1], x[2]))
+            _score, _o, _n, lk, left, f_cells, purity, k = scored[0]
+            confidence = purity * (1.0 - 0.5 ** (k + 1))
+            out.append(LinkDetection(lk, tuple(left), tuple(f_cells), purity, k, confidence))
+            remaining[left] = False
+            candidates = [c for c in candidates if c[0] != lk]
+        return out
+
+
+def _independent(m: LinkMetrics, link: Link, cells: list[int]) -> int:
+    """Independent groups among ``cells``: different partner nodes (a node link) or different rank
+    sets (a pair or intra-node link). Two tensor-parallel ranks' groups to the same partners count once."""
+    keys = set()
+    for i in cells:
+        g = m.groups.get(str(m.pg[i]))
+        if g is None:
+            continue
+        if link.kind == "node":
+            keys.add(frozenset(set(g.nodes) - set(link.nodes)))
+        else:
+            keys.add(frozenset(g.ranks))
+    return len(keys)
+
+
+def _runs(ws: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for w in ws:
+        if runs and w == runs[-1][-1] + 1:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return runs
