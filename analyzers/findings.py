@@ -22,9 +22,13 @@ class Severity(str, Enum):
 
 @dataclass(frozen=True)
 class Suspect:
+    """Who or what is suspected: a rank (with its node and GPU), and for link findings the link's
+    two ends (``("node3", "network")`` for a node's uplink, ``("node1", "node3")`` between nodes)."""
+
     rank: int
     node: str = ""
     gpu: str = ""
+    link: tuple[str, ...] = ()
 
 
 def finding_id(job_id: str, attempt: int, kind: str, key: str) -> str:

@@ -12,8 +12,10 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from ranklens.analyzers.correlate import correlate_findings
 from ranklens.analyzers.detectors import StragglerDetector
 from ranklens.analyzers.findings import Finding
+from ranklens.analyzers.links import find_slow_links
 from ranklens.analyzers.live_hangs import HangConfig, detect_live_hangs
 from ranklens.analyzers.straggler import find_stragglers
 from ranklens.store.api import Store
@@ -31,12 +33,16 @@ def analyze_job(
     now_ns: int | None = None,
     window_steps: int | None = None,
 ) -> list[Finding]:
-    """Every finding of one job attempt: hangs/crashes/desyncs first, then stragglers by impact.
+    """Every finding of one job attempt: hangs/crashes/desyncs first, then stragglers and slow links
+    by impact, each with the GPU events and log errors of its ranks/nodes and time window.
 
     ``window_steps`` limits the straggler analysis to the most recent steps (the live loop uses
     it so each pass costs the same however long the job has run)."""
     hangs = detect_live_hangs(store, job_id, attempt, config=hang_config, now_ns=now_ns)
-    return hangs + find_stragglers(store, job_id, attempt, detector=detector, window_steps=window_steps)
+    stragglers = find_stragglers(store, job_id, attempt, detector=detector, window_steps=window_steps)
+    links = find_slow_links(store, job_id, attempt, window_steps=window_steps or 0)
+    # GPU events and classified log errors around each finding: the earliest is the likely origin
+    return correlate_findings(store, hangs + stragglers + links)
 
 
 @dataclass

@@ -426,7 +426,7 @@ def _link_finding(
         severity=Severity.CRITICAL if pct >= CRITICAL_PCT else Severity.WARNING,
         confidence=round(d.confidence, 3),
         title=title,
-        suspects=tuple(Suspect(rank=rk, node=m.hosts.get(rk, "")) for rk in ranks),
+        suspects=tuple(Suspect(rank=rk, node=m.hosts.get(rk, ""), link=tuple(link.name.split("<->"))) for rk in ranks),
         first_seen_step=first_step,
         last_seen_step=last_step,
         first_seen_ns=int(m.first_ns[cells].min()),

@@ -29,7 +29,7 @@ from ranklens.analyzers.recovery import (
     serve_metrics,
 )
 from ranklens.analyzers.recovery.testing import WebhookReceiver
-from tests.helpers import synthetic_job
+from ranklens.demo import run_demo
 from tests.recovery_helpers import SECRET, policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +51,9 @@ def free_port() -> int:
 
 
 def straggler_findings(store):
-    store.write_many(synthetic_job(slow_rank=2, slow_from=5, extra_s=0.05, steps=20))
-    findings = find_stragglers(store, "job-synth")
+    """Findings of a real 4-rank gloo job whose rank 2 is slowed (collected into ``store``)."""
+    result = run_demo(store, ranks=4, slow_rank=2, slowdown=2.0, steps=16, slow_from_step=3)
+    findings = find_stragglers(store, result.job_id)
     assert [f.suspects[0].rank for f in findings] == [2]
     return findings
 

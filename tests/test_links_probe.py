@@ -1,0 +1,117 @@
+"""The active link probe: planning, verdicts, evidence, and a real run over loopback (the real
+throttled-link confirmation is in tests/test_links_netbed.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import ranklens.analyzers.correlate
+import ranklens.analyzers.links
+import ranklens.analyzers.netbed
+import ranklens.analyzers.probe
+import ranklens.analyzers.tomography
+from ranklens.analyzers.findings import Finding, Severity, Suspect
+from ranklens.analyzers.netbed import NetBed
+from ranklens.analyzers.probe import ProbePair, ProbeReport, ProbeResult, attach_probe, plan_probe, run_probe
+
+
+def _finding(kind: str, nodes: list[str]) -> Finding:
+    return Finding(
+        id="x",
+        job_id="j",
+        attempt=0,
+        kind="slow_link",
+        severity=Severity.WARNING,
+        confidence=0.8,
+        title="slow link",
+        suspects=tuple(Suspect(rank=i, node=n) for i, n in enumerate(nodes)),
+        first_seen_step=0,
+        last_seen_step=5,
+        evidence={"link_kind": kind, "nodes": nodes},
+    )
+
+
+def test_plan_probe_pairs_suspects_with_healthy_nodes_and_a_healthy_reference():
+    nodes = ["node0", "node1", "node2", "node3"]
+    assert plan_probe(_finding("node", ["node3"]), nodes) == [
+        ProbePair("node3", "node0"),
+        ProbePair("node1", "node2", "reference"),
+    ]
+    assert plan_probe(_finding("pair", ["node1", "node3"]), nodes) == [
+        ProbePair("node1", "node3"),
+        ProbePair("node0", "node2", "reference"),
+    ]
+    with pytest.raises(ValueError):
+        ProbePair("a", "a")
+
+
+def test_report_verdict_and_attached_evidence():
+    slow = ProbeResult("node3", "node0", "suspect", 1 << 20, (0.2, 0.21, 0.5))
+    ref = ProbeResult("node1", "node2", "reference", 1 << 20, (0.002, 0.002))
+    report = ProbeReport((slow, ref))
+    assert report.ratio == pytest.approx(0.21 / 0.002) and report.confirmed
+    g = attach_probe(_finding("node", ["node3"]), report)
+    assert g.confidence == 0.95 and "probe confirmed" in g.title and g.evidence["probe"]["confirmed"]
+    same = ProbeReport((ProbeResult("a", "b", "suspect", 100, (1.0,)), ProbeResult("c", "d", "reference", 100, (0.9,))))
+    h = attach_probe(_finding("node", ["a"]), same)
+    assert not same.confirmed and h.confidence == 0.4 and "did not confirm" in h.title
+
+
+@pytest.mark.e2e
+def test_probe_runs_as_separate_gloo_processes_over_loopback():
+    pairs = [ProbePair("a", "b"), ProbePair("b", "c", "reference")]
+    report = run_probe(pairs, dict.fromkeys("abc", "127.0.0.1"), nbytes=1 << 20, iters=2, timeout_s=120)
+    assert sorted((r.src, r.dst, r.role) for r in report.results) == [
+        ("a", "b", "suspect"),
+        ("b", "a", "suspect"),
+        ("b", "c", "reference"),
+        ("c", "b", "reference"),
+    ]
+    assert all(r.bandwidth_Bps > 1e6 and len(r.iter_seconds) == 2 for r in report.results)
+
+
+def test_netbed_commands_run_inside_a_node_with_its_hostname():
+    bed = NetBed(4, prefix="rlx")
+    assert (
+        bed.address(3) == "10.77.0.4" and bed.namespace(3) == "rlx-n3" and bed.env(3)["GLOO_SOCKET_IFNAME"] == "veth0"
+    )
+    cmd = bed.command(3, ["python", "x.py"])
+    assert cmd[:4] == ["ip", "netns", "exec", "rlx-n3"] and "node3" in cmd and cmd[-2:] == ["python", "x.py"]
+
+
+def test_public_names():
+    assert set(ranklens.analyzers.links.__all__) == {
+        "BUS_FACTORS",
+        "GroupInfo",
+        "LinkMetrics",
+        "compute_link_metrics",
+        "find_slow_links",
+        "link_metric_sql",
+        "to_findings",
+    }
+    assert set(ranklens.analyzers.tomography.__all__) == {
+        "CongestionDetection",
+        "GroupTestingDetector",
+        "Link",
+        "LinkDetection",
+        "LinkDetector",
+        "LinkReport",
+        "node_key",
+    }
+    assert set(ranklens.analyzers.correlate.__all__) == {
+        "RelatedEvent",
+        "correlate_findings",
+        "gpu_event_severity",
+        "related_events",
+    }
+    assert {"run_probe", "plan_probe", "attach_probe", "ProbeReport"} <= set(ranklens.analyzers.probe.__all__)
+    assert {"NetBed", "unavailable_reason"} <= set(ranklens.analyzers.netbed.__all__)
+    for mod in (
+        ranklens.analyzers.links,
+        ranklens.analyzers.tomography,
+        ranklens.analyzers.correlate,
+        ranklens.analyzers.probe,
+        ranklens.analyzers.netbed,
+    ):
+        for name in mod.__all__:
+            assert getattr(mod, name).__doc__ or not callable(getattr(mod, name)), f"{mod.__name__}.{name}"
