@@ -7,49 +7,23 @@ configuration, 3 store error, 4 store unavailable, 5 schema version mismatch, 6 
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import click
 
 from ranklens import __version__
-from ranklens.config import ENV_STORE
-from ranklens.errors import EXIT_CODES, NotFound, RanklensError
+from ranklens._cli_common import EPILOG, agent_options, errors, policy_options, store_option
+from ranklens.errors import NotFound
 from ranklens.errors import StoreUnavailable as StoreUnavailableError
 
 __all__ = ["main"]
 
-_EPILOG = "Exit codes: " + ", ".join(f"{k} {v}" for k, v in EXIT_CODES.items()) + "."
-
-
-def _store_option(f: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option(
-        "--store",
-        "store_url",
-        envvar=ENV_STORE,
-        default=None,
-        metavar="URL",
-        help="embedded:///dir (default: ./ranklens-store) or clickhouse://user:pass@host:9000/db "
-        f"(clickhouses:// for TLS). Env: {ENV_STORE}.",
-    )(f)
-
-
-def _errors(f: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn ranklens errors into one clear line on stderr and the documented exit code."""
-
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return f(*args, **kwargs)
-        except RanklensError as e:
-            click.echo(f"ranklens: error: {e}", err=True)
-            sys.exit(e.exit_code)
-
-    return wrapper
+_EPILOG = EPILOG
+_store_option = store_option
+_errors = errors
 
 
 def _open(store_url: str | None, *, create: bool = True) -> Any:
@@ -264,21 +238,7 @@ def _print_findings(findings: list[Any]) -> None:
     help="Hand the findings to the recovery policy (webhooks, hooks); the policy "
     "is dry-run unless it says otherwise. Needs --policy.",
 )
-@click.option(
-    "--policy",
-    "policy_file",
-    type=click.Path(exists=True, dir_okay=False),
-    envvar="RANKLENS_POLICY",
-    default=None,
-    help="Recovery policy file (TOML, docs/recovery.md). Env: RANKLENS_POLICY.",
-)
-@click.option(
-    "--outbox",
-    "outbox_dir",
-    envvar="RANKLENS_OUTBOX",
-    default=None,
-    help="Durable webhook outbox directory (default: ~/.ranklens/outbox). Env: RANKLENS_OUTBOX.",
-)
+@policy_options(required=False)
 @click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
@@ -623,49 +583,14 @@ def _fmt(v: Any) -> str:
 
 @cli.command(epilog=_EPILOG)
 @_store_option
-@click.option(
-    "--config",
-    "config_file",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="Collector config file (TOML: [collector], [[logs]], [filter], [[rules]]).",
-)
-@click.option(
-    "--spool",
-    "spool_dir",
-    envvar="RANKLENS_SPOOL",
-    default=None,
-    help="Spool root the tracers write (env RANKLENS_SPOOL; default /tmp/ranklens-spool).",
-)
+@agent_options
 @click.option(
     "--follow",
     is_flag=True,
-    help="Run as the node agent until interrupted (SIGTERM/Ctrl-C): ship "
-    "spools, tail logs, sample GPUs, serve metrics.",
+    help="Run as the node agent until interrupted (SIGTERM/Ctrl-C): ship spools, tail logs, sample GPUs, "
+    "serve metrics.",
 )
 @click.option("--interval", type=click.FloatRange(0.05, 3600), default=None, help="Seconds between shipping passes.")
-@click.option(
-    "--logs",
-    "log_globs",
-    multiple=True,
-    metavar="GLOB",
-    help="Log files to follow and filter at the source (repeatable; with --follow).",
-)
-@click.option(
-    "--rules",
-    "rules_file",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="Log filter rules (TOML), replacing the config file's.",
-)
-@click.option("--nvml/--no-nvml", default=None, help="Sample GPUs through NVML (default: when available).")
-@click.option(
-    "--metrics-port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    help="Serve Prometheus metrics on this port (with --follow).",
-)
-@click.option("--metrics-addr", default=None, help="Address the metrics endpoint binds (default 0.0.0.0).")
 @_errors
 def collect(
     store_url: str | None,
@@ -712,21 +637,7 @@ def collect(
 
 @cli.command("collector", epilog=_EPILOG)
 @_store_option
-@click.option(
-    "--config",
-    "config_file",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="Collector config file (TOML: [collector], [[logs]], [filter], [[rules]]).",
-)
-@click.option("--spool", "spool_dir", envvar="RANKLENS_SPOOL", default=None, help="Spool root (env RANKLENS_SPOOL).")
-@click.option("--logs", "log_globs", multiple=True, metavar="GLOB", help="Log files to follow (repeatable).")
-@click.option(
-    "--rules", "rules_file", type=click.Path(exists=True, dir_okay=False), default=None, help="Log filter rules (TOML)."
-)
-@click.option("--nvml/--no-nvml", default=None, help="Sample GPUs through NVML (default: when available).")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, help="Serve Prometheus metrics here.")
-@click.option("--metrics-addr", default=None, help="Address the metrics endpoint binds (default 0.0.0.0).")
+@agent_options
 @click.pass_context
 def collector(ctx: click.Context, **kwargs: Any) -> None:
     """Run the per-node collector agent (the same as `ranklens collect --follow`): ship rank spools,
@@ -771,21 +682,7 @@ def logs_classify(files: tuple[str, ...], rules_file: str | None, as_json: bool)
 
 @cli.command(epilog=_EPILOG)
 @_store_option
-@click.option(
-    "--policy",
-    "policy_file",
-    type=click.Path(exists=True, dir_okay=False),
-    envvar="RANKLENS_POLICY",
-    required=True,
-    help="Recovery policy file (TOML). Env: RANKLENS_POLICY.",
-)
-@click.option(
-    "--outbox",
-    "outbox_dir",
-    envvar="RANKLENS_OUTBOX",
-    default=None,
-    help="Webhook outbox directory (default: ~/.ranklens/outbox).",
-)
+@policy_options(required=True)
 @click.option(
     "--drain",
     "drain_s",

@@ -8,38 +8,22 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from ranklens._cli_common import EPILOG as _EPILOG
+from ranklens._cli_common import errors as _errors
 from ranklens.config import ENV_STORE
-from ranklens.errors import EXIT_CODES, RanklensError
 
 __all__ = ["simulate_command"]
 
-_EPILOG = "Exit codes: " + ", ".join(f"{k} {v}" for k, v in EXIT_CODES.items()) + "."
 _FAULT_HELP = (
     "Inject a fault (repeatable): slow_gpu:RANK[:FACTOR], slow_node:NODE[:FACTOR], "
     "slow_data:RANK[:SECONDS], slow_link:NODE[:FACTOR], stage_imbalance[:FACTOR] (by design, not a "
     "fault), clock_skew:NODE:MS; append @STEP for the onset step. NODE is node0003 or 3."
 )
-
-
-def _errors(f: Callable[..., Any]) -> Callable[..., Any]:
-    """A ranklens error becomes one line on stderr and its documented exit code."""
-
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return f(*args, **kwargs)
-        except RanklensError as e:
-            click.echo(f"ranklens: error: {e}", err=True)
-            sys.exit(e.exit_code)
-
-    return wrapper
 
 
 @click.command("simulate", epilog=_EPILOG)
