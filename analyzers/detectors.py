@@ -6,6 +6,7 @@ A detector takes a :class:`~ranklens.analyzers.blame.BlameMatrix` and returns
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -147,7 +148,9 @@ class PeerComputeDetector:
             if len(idx) < 3:
                 continue  # no robust baseline with fewer than three peers
             block = compute[idx]
-            with np.errstate(all="ignore"):
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                # steps some ranks have not reported yet (live) are all-NaN columns: no baseline there
+                warnings.simplefilter("ignore", RuntimeWarning)
                 if len(idx) < LEAVE_ONE_OUT_BELOW:
                     # small groups: each rank is compared with the others only, so the suspect does
                     # not inflate the spread it is measured against
@@ -175,7 +178,8 @@ class PeerComputeDetector:
                 if n_hot < self.min_hot_steps:
                     continue
                 ex = np.nan_to_num(excess[k, a : b + 1])
-                with np.errstate(all="ignore"):
+                with np.errstate(all="ignore"), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
                     ratio = float(np.nanmedian(block[k, a : b + 1]) / np.nanmedian(med[k, a : b + 1]))
                 out.append(PeerDetection(int(cm.ranks[i]), a, b, n_hot / (b - a + 1), n_hot, b - a + 1, ex, ratio))
         return out

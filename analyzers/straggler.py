@@ -7,6 +7,7 @@ waited for it) as evidence. Without step records it falls back to blame alone.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -112,7 +113,8 @@ def to_peer_finding(
     excess = d.excess_s
     n = max(len(excess), 1)
     excess_per_step = float(np.clip(excess, 0, None).sum() / n)
-    with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: steps not reported yet
         step_mean = float(np.nanmean(np.nanmedian(cm.step_s[:, sl], axis=0)))
     pct = 100.0 * excess_per_step / step_mean if step_mean and np.isfinite(step_mean) else 0.0
     host = cm.hosts.get(d.rank, "")

@@ -107,9 +107,9 @@ def micro(calls: int) -> None:
 
 def job(steps: int, repeats: int) -> None:
     """Median step time of the demo worker job, tracing off vs on (alternating runs)."""
-    results: dict[str, list[float]] = {"off": [], "on": []}
+    results: dict[str, list[float]] = {"off": [], "on": [], "on-no-ddp-hook": []}
     for _ in range(repeats):
-        for mode in ("off", "on"):
+        for mode in results:
             spool = tempfile.mkdtemp(prefix="ranklens-bench-spool-")
             env = {
                 **os.environ,
@@ -122,6 +122,8 @@ def job(steps: int, repeats: int) -> None:
             }
             if mode == "off":
                 env["RANKLENS_DISABLE"] = "1"
+            if mode == "on-no-ddp-hook":
+                env["RANKLENS_DDP"] = "0"
             procs = [
                 subprocess.Popen(
                     [

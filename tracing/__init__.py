@@ -100,7 +100,8 @@ def init(
         rank, world_size: default from torch.distributed (or ``$RANK``/``$WORLD_SIZE``).
         patch_distributed: wrap torch.distributed's collectives to record the arrival ledger.
         ddp: trace DDP's gradient-bucket all-reduces automatically (a communication hook is
-            registered at each DDP model's first forward unless the user registered their own).
+            registered at each DDP model's first forward unless the user registered their own);
+            ``RANKLENS_DDP=0`` turns it off.
         fr_stuck_s: dump torch's flight-recorder buffer when a collective has been in flight this
             long (default ``$RANKLENS_FR_STUCK_S`` or 30; 0 turns it off). It is also dumped when a
             collective fails. Dumps go to ``<spool>/<job>/<attempt>/fr/``.
@@ -180,7 +181,7 @@ def init(
                 pg = c10d._get_process_group_name(g)
                 tracer._pg_names[id(g)] = (pg, g)
                 _patch._register_group(tracer, c10d, g, pg)
-            if ddp:
+            if ddp and os.environ.get("RANKLENS_DDP", "1").lower() not in ("0", "false", "no"):
                 from ranklens.tracing import _ddp
 
                 _ddp.patch_ddp(tracer)
