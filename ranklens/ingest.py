@@ -54,9 +54,57 @@ def _resolve_table(path: Path, explicit: str | None, declared: str | None) -> st
     )
 
 
+def _read_jsonl_fast(path: Path, table: str | None) -> tuple[str, Any] | None:
+    """Arrow's JSON reader for files with a ranklens header (the tracer's spool segments): about
+    ten times faster than validating value by value. Returns None whenever anything is unusual
+    (no header, a type or range problem, a missing required field): the strict reader then says
+    exactly what and where."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.json as pj
+
+    try:
+        data = path.read_bytes()
+        nl = data.find(b"\n")
+        if nl < 0:
+            return None
+        head = json.loads(data[:nl])
+        if not (isinstance(head, dict) and head.get("ranklens") == "records" and head.get("version") == SPOOL_VERSION):
+            return None
+        name = table or head.get("table")
+        if name not in TABLES or not data[nl + 1 :].strip():
+            return None
+        target = arrow_schema(name)
+        loose = pa.schema([pa.field(f.name, f.type, nullable=True) for f in target])
+        opts = pj.ParseOptions(explicit_schema=loose, unexpected_field_behavior="error")
+        got = pj.read_json(io.BytesIO(data[nl + 1 :]), parse_options=opts)
+    except Exception:
+        return None
+    columns = []
+    for c, field in zip(TABLES[name].columns, target):
+        col = got.column(c.name)
+        if col.null_count:
+            if c.required:
+                return None
+            default = c.default_value()
+            col = pc.fill_null(col, pa.scalar(default, type=field.type))
+        columns.append(col)
+    return name, pa.Table.from_arrays(columns, schema=target)
+
+
 def read_jsonl(path: str | Path, table: str | None = None) -> tuple[str, Any]:
     """Read and validate a JSON Lines file; return (table name, Arrow table)."""
     path = Path(path)
+    fast = _read_jsonl_fast(path, table)
+    if fast is not None:
+        return fast
+    return _read_jsonl_strict(path, table)
+
+
+def _read_jsonl_strict(path: Path, table: str | None) -> tuple[str, Any]:
+    """Value-by-value validation, with the line and field of the first problem."""
     declared: str | None = None
     rows: list[dict[str, Any]] = []
     line_nos: list[int] = []

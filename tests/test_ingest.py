@@ -123,3 +123,39 @@ def test_parquet_errors(tmp_path):
     p.write_bytes(b"PAR1 truncated")
     with pytest.raises(IngestError, match="not a readable Parquet file"):
         read_parquet(p)
+
+
+@pytest.mark.parametrize(
+    ("table", "rows"),
+    [
+        ("collectives", [ROW, dict(ROW, rank=1, peer=3, nbytes=8, end_ns=-1), dict(ROW, seq=2, clock="cuda")]),
+        (
+            "steps",
+            [
+                {"job_id": "j", "rank": 0, "step": 1, "start_ns": 1, "end_ns": 2, "loss": 0.25},
+                {"job_id": "j", "rank": 1, "step": 1, "start_ns": 1, "end_ns": 3},
+            ],
+        ),
+        ("process_groups", [{"job_id": "j", "pg": "1", "ranks": [0, 2]}, {"job_id": "j", "pg": "2", "ranks": []}]),
+        ("heartbeats", [{"job_id": "j", "rank": 0, "ts_ns": 5, "pgs": ["0"], "pg_entered": [3], "pg_completed": [2]}]),
+    ],
+)
+def test_fast_and_strict_readers_agree(tmp_path, table, rows):
+    from ranklens.ingest import _read_jsonl_fast, _read_jsonl_strict
+
+    p = _jsonl(tmp_path / "seg.jsonl", {"ranklens": "records", "version": 1, "table": table}, *rows)
+    fast = _read_jsonl_fast(p, None)
+    assert fast is not None  # a well-formed segment takes the fast path
+    strict = _read_jsonl_strict(p, None)
+    assert fast[0] == strict[0] == table
+    assert fast[1].schema == strict[1].schema
+    assert fast[1].to_pylist() == strict[1].to_pylist() or all(
+        all((a == b) or (a != a and b != b) for a, b in zip(fa.values(), sa.values()))
+        for fa, sa in zip(fast[1].to_pylist(), strict[1].to_pylist())
+    )  # NaN defaults compare unequal to themselves
+
+
+def test_fast_reader_defers_to_strict_errors(tmp_path):
+    p = _jsonl(tmp_path / "seg.jsonl", HEADER, ROW, dict(ROW, rank=True))  # a bool is not an integer
+    with pytest.raises(IngestError, match="line 3: field 'rank': expected an integer"):
+        read_jsonl(p)
