@@ -366,9 +366,10 @@ def detect_live_hangs(
                 if key not in roots[root]:
                     roots[root].append(key)
     for root, keys in roots.items():
-        # the origin group: where the root is itself missing, stuck the longest (its peers got there first)
+        # The origin group: where the root is itself missing and nobody else is (the others missing
+        # from a group are victims stuck elsewhere); among those, the one stuck the longest.
         direct = [k for k in keys if root in pics[k]["missing"]] or keys
-        okey = max(direct, key=lambda k: pics[k]["stuck_s"])
+        okey = min(direct, key=lambda k: (len(pics[k]["missing"]), -pics[k]["stuck_s"]))
         blocked = [pics[k] for k in keys if k != okey]
         findings.append(
             _origin_finding(job_id, attempt, root, pics[okey], blocked, ranks, stale(root), pid_alive, exit_codes, now)
