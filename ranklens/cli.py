@@ -502,31 +502,25 @@ def ingest(
     from ranklens.ingest import expand, ingest_paths
 
     fmt = fmt or _detect_format(paths)
+    store = _open(store_url)
     if fmt == "kineto":
         from ranklens.collector.kineto import ingest_kineto
 
-        store = _open(store_url)
         written = ingest_kineto(store, list(paths), job_id=job_id, rank=rank)
-        for name, n in sorted(written.items()):
-            click.echo(f"{name}: {n:,} rows")
-        click.echo(f"ingested Kineto traces into {store.url}")
-        return
-    if fmt == "flight-recorder":
+        what = "Kineto traces"
+    elif fmt == "flight-recorder":
         from ranklens.collector.flight_recorder import ingest_flight_recorder
 
-        store = _open(store_url)
         written = ingest_flight_recorder(store, list(paths), job_id=job_id, world_size=world_size)
-        for name, n in sorted(written.items()):
-            click.echo(f"{name}: {n:,} rows")
-        click.echo(f"ingested flight-recorder dumps into {store.url}")
-        return
-    files = expand(list(paths))
-    store = _open(store_url)
-    with click.progressbar(length=len(files), label="validating", file=sys.stderr, show_pos=True) as bar:
-        written = ingest_paths(store, files, fmt=fmt, table=table, progress=lambda _p: bar.update(1))
+        what = "flight-recorder dumps"
+    else:
+        files = expand(list(paths))
+        with click.progressbar(length=len(files), label="validating", file=sys.stderr, show_pos=True) as bar:
+            written = ingest_paths(store, files, fmt=fmt, table=table, progress=lambda _p: bar.update(1))
+        what = f"{len(files)} file(s)"
     for name, n in sorted(written.items()):
         click.echo(f"{name}: {n:,} rows")
-    click.echo(f"ingested {len(files)} file(s) into {store.url}")
+    click.echo(f"ingested {what} into {store.url}")
 
 
 @cli.command(epilog=_EPILOG)
