@@ -89,6 +89,9 @@ def init(
     profile_signal: int | None = None,
     otel_provider: Any = None,
     dataloader: bool = True,
+    pp: int | None = None,
+    tp: int | None = None,
+    dp: int | None = None,
 ) -> Tracer | None:
     """Start tracing this rank. Call after ``torch.distributed.init_process_group``.
 
@@ -113,6 +116,8 @@ def init(
             ``<spool>/<job>/<attempt>/profile-now``: ``touch`` it to profile every rank's next step).
         profile_signal: a signal number that starts a window (e.g. ``signal.SIGUSR2``; default none).
             Traces go to ``<spool>/<job>/<attempt>/kineto/`` and the collector ingests them.
+        pp, tp, dp: this rank's pipeline-stage, tensor- and data-parallel coordinates, when the
+            training code knows them; ranks of the same pipeline stage are compared as peers.
         dataloader: time every DataLoader ``next()`` as a ``data`` phase (automatic input-wait timing).
         otel_provider: an OpenTelemetry ``TracerProvider`` to emit one span per step (phases as
             children). Without it, spans are exported only when the standard OTEL_* variables ask
@@ -145,6 +150,7 @@ def init(
             rank=rank,
             world_size=world_size,
             local_rank=int(os.environ.get("LOCAL_RANK", "-1")),
+            coords={"pp": pp, "tp": tp, "dp": dp},
             spool_dir=spool_dir or os.environ.get(ENV_SPOOL) or DEFAULT_SPOOL,
             flush_interval_s=flush_interval_s,
             fr_stuck_s=fr_stuck_s if fr_stuck_s is not None else env_float("RANKLENS_FR_STUCK_S", 30.0, minimum=0),

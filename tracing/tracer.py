@@ -46,6 +46,7 @@ class Tracer:
         world_size: int,
         spool_dir: str,
         local_rank: int = -1,
+        coords: dict[str, int] | None = None,
         flush_interval_s: float = 0.5,
         max_buffered: int = 500_000,
         clock: Callable[[], int] = time.time_ns,
@@ -101,6 +102,7 @@ class Tracer:
                 "local_rank": local_rank,
                 "pid": os.getpid(),
                 "started_ns": clock(),
+                **{k: int(v) for k, v in (coords or {}).items() if k in ("pp", "tp", "dp") and v is not None},
             },
         )
         self.profiler: Any = None  # ranklens.tracing.profiler.ProfilerWindows, set by init()
