@@ -14,12 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ranklens.store.api import Store
+from ranklens.store.api import sql_escape as _esc
 
 __all__ = ["BlameMatrix", "blame_sql", "compute_blame", "latest_job", "step_times_sql", "union_length"]
-
-
-def _esc(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("'", "\\'")
 
 
 def _aligned(offsets: dict[int, int] | None) -> str:

@@ -13,12 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ranklens.store.api import Store
+from ranklens.store.api import sql_escape as _esc
 
 __all__ = ["HostOffset", "clock_offsets", "offsets_sql", "rank_offsets"]
-
-
-def _esc(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("'", "\\'")
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ranklens.store.api import Store
+from ranklens.store.api import sql_escape as _esc
 
 __all__ = ["ComputeMatrix", "compute_matrix", "compute_sql", "phase_compute_sql"]
-
-
-def _esc(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("'", "\\'")
 
 
 def _waits_subquery(job_id: str, attempt: int, min_step: int = 0) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ranklens.analyzers.findings import Finding
 from ranklens.store.api import Store
+from ranklens.store.api import sql_escape as _esc
 
 __all__ = ["RelatedEvent", "correlate_findings", "gpu_event_severity", "related_events"]
 
@@ -75,10 +76,6 @@ class RelatedEvent:
         if self.rank >= 0:
             where += f" (rank {self.rank})"
         return f"{what} on {where}"
-
-
-def _esc(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("'", "\\'")
 
 
 def _in_list(values: Iterable[str]) -> str:

@@ -10,6 +10,7 @@ from enum import Enum
 from typing import Any
 
 from ranklens.store.api import Store
+from ranklens.store.api import sql_escape as _esc
 
 __all__ = ["Finding", "Severity", "Suspect", "finding_id", "latest_findings", "save_findings"]
 
@@ -129,7 +130,3 @@ def latest_findings(store: Store, job_id: str, attempt: int | None = None) -> li
         "GROUP BY id ORDER BY latest_impact_s DESC, id"
     )
     return [{k.removeprefix("latest_"): v for k, v in row.items()} for row in r.to_pylist()]
-
-
-def _esc(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("'", "\\'")

@@ -46,6 +46,7 @@ from ranklens.analyzers.tomography import (
     node_key,
 )
 from ranklens.store.api import Store
+from ranklens.store.api import sql_escape as _esc
 
 __all__ = [
     "BUS_FACTORS",
@@ -87,10 +88,6 @@ _BUS_SQL = """multiIf(fam = 'all_reduce', 2.0 * (members - 1) / members,
                       fam IN ('all_gather', 'gather', 'scatter'), toFloat64(members - 1),
                       fam IN ('reduce_scatter', 'all_to_all'), toFloat64(members - 1) / members,
                       1.0)"""
-
-
-def _esc(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("'", "\\'")
 
 
 def link_metric_sql(

@@ -34,14 +34,11 @@ from typing import Any
 
 from ranklens.analyzers.findings import Finding, Severity, Suspect, finding_id
 from ranklens.store.api import Store
+from ranklens.store.api import sql_escape as _esc
 
 __all__ = ["HangConfig", "LiveRank", "detect_live_hangs", "pid_alive_local"]
 
 DETECTOR = "live_hangs"
-
-
-def _esc(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("'", "\\'")
 
 
 @dataclass(frozen=True)

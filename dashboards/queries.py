@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from ranklens.store.api import Store
+from ranklens.store.api import sql_escape as _esc
 
 __all__ = [
     "HEAT_AXES",
@@ -71,10 +72,6 @@ MAX_SERIES = 16  # GPU series drawn one by one; more are summarised (fleet quant
 HEAT_METRICS = ("step_time", "phase_time", "blame", "wait")
 HEAT_AXES = ("rank", "node", "bucket")
 LIVE_S = 120.0  # a job whose newest step is older than this is no longer running
-
-
-def _esc(s: str) -> str:
-    return str(s).replace("\\", "\\\\").replace("'", "\\'")
 
 
 def _job_where(job_id: str, attempt: int) -> str:

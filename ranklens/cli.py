@@ -282,8 +282,11 @@ def analyze(
         job_id, found_attempt = latest
         attempt = found_attempt if attempt is None else attempt
     elif attempt is None:
-        esc = job_id.replace("\\", "\\\\").replace("'", "\\'")
-        n, top = store.query(f"SELECT count(), max(attempt) FROM collectives WHERE job_id = '{esc}'").rows()[0]
+        from ranklens.store.api import sql_string
+
+        n, top = store.query(
+            f"SELECT count(), max(attempt) FROM collectives WHERE job_id = {sql_string(job_id)}"
+        ).rows()[0]
         if not n:
             raise NotFound(
                 f"no records of job {job_id!r} in {store.url}; "

@@ -34,6 +34,7 @@ from ranklens.analyzers.recovery.audit import action_row
 from ranklens.analyzers.recovery.policy import MIN_SECRET_LEN
 from ranklens.errors import ConfigError
 from ranklens.store.api import Store
+from ranklens.store.api import sql_string as _q
 
 __all__ = [
     "Alert",
@@ -138,10 +139,6 @@ class FindingRef:
 
 class FindingMatcher(Protocol):
     def match(self, alert: Alert) -> list[FindingRef]: ...
-
-
-def _q(s: str) -> str:
-    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 class StoreFindingMatcher:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ranklens.store.api import Store
+from ranklens.store.api import sql_string as _quote
 
 __all__ = ["DECISION_OUTCOMES", "History", "action_row", "load_history"]
 
@@ -122,10 +123,6 @@ class History:
             for p in self._rows
             if p.job_id == job_id and p.outcome == outcome and p.ts_ns >= since_ns and p.action not in exclude_actions
         )
-
-
-def _quote(s: str) -> str:
-    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def load_history(

@@ -15,7 +15,17 @@ if TYPE_CHECKING:
     import numpy as np
     import pyarrow as pa
 
-__all__ = ["QueryResult", "Store"]
+__all__ = ["QueryResult", "Store", "sql_escape", "sql_string"]
+
+
+def sql_escape(s: str) -> str:
+    """``s`` escaped for use inside a single-quoted ClickHouse string literal."""
+    return str(s).replace("\\", "\\\\").replace("'", "\\'")
+
+
+def sql_string(s: str) -> str:
+    """``s`` as a single-quoted ClickHouse string literal."""
+    return "'" + sql_escape(s) + "'"
 
 
 class QueryResult:

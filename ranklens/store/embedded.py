@@ -40,6 +40,7 @@ from ranklens.errors import SchemaVersionError, StoreError, StoreUnavailable
 from ranklens.records import arrow_schema, empty_arrow, to_arrow
 from ranklens.schema import SCHEMA_VERSION, TABLES, table
 from ranklens.store.api import QueryResult
+from ranklens.store.api import sql_string as _sql_quote
 
 __all__ = ["EmbeddedStore"]
 
@@ -63,10 +64,6 @@ def _chdb_session() -> Any:
         _session = chdb_session.Session()
         _session_pid = os.getpid()
     return _session
-
-
-def _sql_quote(s: str) -> str:
-    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 class EmbeddedStore:
