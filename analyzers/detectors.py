@@ -68,18 +68,24 @@ class PersistentBlameDetector:
         for i, rank in enumerate(blame.ranks):
             share = np.nan_to_num(delay[i] / step_time)
             hot = (top == i) & (delay[i] >= self.min_delay_s) & (share >= self.min_share)
-            if hot.sum() < self.min_hot_steps:
-                continue
-            seg = _densest_segment(hot, self.persistence)
+            seg = _persistent_run(hot, self.persistence, self.min_hot_steps)
             if seg is None:
                 continue
-            start, end = seg
-            n_hot = int(hot[start : end + 1].sum())
+            start, end, n_hot = seg
             length = end - start + 1
-            if n_hot < self.min_hot_steps:
-                continue
             out.append(Detection(int(rank), start, end, n_hot / length, n_hot, length))
         return out
+
+
+def _persistent_run(hot: np.ndarray, persistence: float, min_hot: int) -> tuple[int, int, int] | None:
+    """The densest run of hot steps (start, end, hot steps in it) when it holds at least ``min_hot``."""
+    if hot.sum() < min_hot:
+        return None
+    seg = _densest_segment(hot, persistence)
+    if seg is None:
+        return None
+    n_hot = int(hot[seg[0] : seg[1] + 1].sum())
+    return (seg[0], seg[1], n_hot) if n_hot >= min_hot else None
 
 
 def _densest_segment(hot: np.ndarray, persistence: float) -> tuple[int, int] | None:
@@ -167,16 +173,10 @@ class PeerComputeDetector:
             threshold = np.maximum(np.maximum(self.min_excess_ratio * med, self.min_excess_s), self.z * mad)
             hot_all = np.nan_to_num(excess, nan=-1.0) >= threshold
             for k, i in enumerate(idx):
-                hot = hot_all[k]
-                if hot.sum() < self.min_hot_steps:
-                    continue
-                seg = _densest_segment(hot, self.persistence)
+                seg = _persistent_run(hot_all[k], self.persistence, self.min_hot_steps)
                 if seg is None:
                     continue
-                a, b = seg
-                n_hot = int(hot[a : b + 1].sum())
-                if n_hot < self.min_hot_steps:
-                    continue
+                a, b, n_hot = seg
                 ex = np.nan_to_num(excess[k, a : b + 1])
                 with np.errstate(all="ignore"), warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)

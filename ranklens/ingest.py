@@ -22,11 +22,11 @@ from ranklens.errors import IngestError
 from ranklens.records import arrow_schema, check_value, to_arrow
 from ranklens.schema import TABLES
 from ranklens.store.api import Store
+from ranklens.tracing.spool import SPOOL_FORMAT, SPOOL_VERSION  # one format: spool segments are ingestable
 
 __all__ = ["FORMATS", "ingest_paths", "read_file", "read_jsonl", "read_parquet"]
 
 FORMATS = ("jsonl", "parquet", "flight-recorder", "kineto")
-SPOOL_VERSION = 1
 
 
 def _table_from_name(path: Path) -> str | None:
@@ -71,7 +71,9 @@ def _read_jsonl_fast(path: Path, table: str | None) -> tuple[str, Any] | None:
         if nl < 0:
             return None
         head = json.loads(data[:nl])
-        if not (isinstance(head, dict) and head.get("ranklens") == "records" and head.get("version") == SPOOL_VERSION):
+        if not (
+            isinstance(head, dict) and head.get("ranklens") == SPOOL_FORMAT and head.get("version") == SPOOL_VERSION
+        ):
             return None
         name = table or head.get("table")
         if name not in TABLES or not data[nl + 1 :].strip():
@@ -126,7 +128,7 @@ def _read_jsonl_strict(path: Path, table: str | None) -> tuple[str, Any]:
                 if not isinstance(obj, dict):
                     raise IngestError(str(path), f"line {no}", f"expected a JSON object, got {type(obj).__name__}")
                 if "ranklens" in obj and not rows and declared is None:
-                    if obj.get("ranklens") != "records" or obj.get("version") != SPOOL_VERSION:
+                    if obj.get("ranklens") != SPOOL_FORMAT or obj.get("version") != SPOOL_VERSION:
                         raise IngestError(
                             str(path),
                             f"line {no}",
