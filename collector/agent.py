@@ -21,6 +21,8 @@ Configuration: keyword arguments (:class:`AgentConfig`) and one TOML file (:func
     host = "node-17"                        # default: this host's name
     ship_interval_s = 1.0
     commit_interval_s = 2.0                 # how often log events / GPU samples are written
+    spool_max_bytes = "20GiB"               # disk budget while the store is down (0: none)
+    spool_min_free_bytes = "1GiB"           # keep this much free on the spool's filesystem
     metrics_port = 9400                     # omit: no endpoint; 0: any free port
     metrics_addr = "0.0.0.0"
     nvml = true                             # true, false, or omit for "when available"
@@ -54,7 +56,7 @@ from ranklens.collector.metrics import CollectorMetrics, MetricsServer
 from ranklens.collector.nvml import GpuSampler
 from ranklens.collector.outbox import COLLECTOR_DIR, Outbox
 from ranklens.collector.rules import RuleSet, load_rules, read_config_file, rules_from_config
-from ranklens.collector.shipper import COMPACT_EVERY, Shipper
+from ranklens.collector.shipper import COMPACT_EVERY, Shipper, SpoolBudget, parse_bytes
 from ranklens.collector.tailer import LogSource, Tailer
 from ranklens.config import DEFAULT_SPOOL_DIR
 from ranklens.errors import ConfigError
@@ -84,6 +86,9 @@ class AgentConfig:
         log_poll_interval_s: seconds between log reads.
         commit_interval_s: seconds between writes of log events and GPU samples to the spool.
         shutdown_timeout_s: default bound of :meth:`Agent.stop`.
+        spool_max_bytes: the spool's disk budget (bytes or ``"20GiB"``; 0: none). Over it, the
+            oldest segments of the least valuable tables are removed and counted in ``drops``.
+        spool_min_free_bytes: free space to keep on the spool's filesystem (same policy).
     """
 
     spool_dir: str = DEFAULT_SPOOL_DIR
@@ -100,8 +105,12 @@ class AgentConfig:
     log_poll_interval_s: float = 0.25
     commit_interval_s: float = 2.0
     shutdown_timeout_s: float = 10.0
+    spool_max_bytes: int | str = 20 * 1024**3
+    spool_min_free_bytes: int | str = 1024**3
 
     def __post_init__(self) -> None:
+        for name in ("spool_max_bytes", "spool_min_free_bytes"):
+            object.__setattr__(self, name, parse_bytes(getattr(self, name), f"collector {name}"))
         for name in ("nvml_interval_s", "ship_interval_s", "log_poll_interval_s", "commit_interval_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.01 <= v <= 3600:
@@ -120,6 +129,29 @@ class AgentConfig:
     @property
     def hostname(self) -> str:
         return self.host or socket.gethostname()
+
+    @property
+    def budget(self) -> SpoolBudget:
+        return SpoolBudget(max_bytes=int(self.spool_max_bytes), min_free_bytes=int(self.spool_min_free_bytes))
+
+    def state_path(self) -> Path:
+        """Where the collector keeps its state (tailer offsets, the delivery journal)."""
+        from ranklens.collector.outbox import _safe
+
+        if self.state_dir:
+            return Path(self.state_dir)
+        return Path(self.spool_dir) / COLLECTOR_DIR / "state" / _safe(self.hostname)
+
+    def shipper(self, store: Store, **kw: Any) -> Shipper:
+        """The shipper this configuration describes."""
+        return Shipper(
+            self.spool_dir,
+            store,
+            host=self.hostname,
+            journal=self.state_path() / "shipping.json",
+            budget=self.budget,
+            **kw,
+        )
 
 
 _COLLECTOR_KEYS = {f.name for f in dataclasses.fields(AgentConfig)} - {"logs", "rules"}
@@ -214,12 +246,10 @@ class Agent:
         self.metrics = CollectorMetrics(registry)
         self.spool_dir = Path(config.spool_dir)
         self.outbox = Outbox(self.spool_dir, host=self.host, on_write=self._on_write)
-        self.shipper = Shipper(self.spool_dir, store)
+        self.shipper = config.shipper(store, outbox=self.outbox)
         self.tailer: Tailer | None = None
         if config.logs:
-            state_dir = (
-                Path(config.state_dir) if config.state_dir else self.outbox.dir.parent / "state" / self.outbox.dir.name
-            )
+            state_dir = config.state_path()
             self.tailer = Tailer(
                 config.logs,
                 sink=self.outbox,
@@ -347,17 +377,11 @@ class Agent:
         return r
 
     def _spool_gauges(self) -> None:
-        n, size, oldest = 0, 0, None
-        for p in self.shipper.pending():
-            try:
-                st = p.stat()
-            except OSError:
-                continue
-            n += 1
-            size += st.st_size
-            oldest = st.st_mtime if oldest is None else min(oldest, st.st_mtime)
-        self.metrics.spool_segments_pending.set(n)
-        self.metrics.spool_bytes.set(size)
+        sh = self.shipper
+        self.metrics.spool_segments_pending.set(sh.spool_segments)
+        self.metrics.spool_bytes.set(sh.spool_bytes)
+        self.metrics.segments_in_doubt.set(len(sh.in_doubt))
+        oldest = sh.spool_oldest
         self.metrics.ship_lag.set(max(0.0, time.time() - oldest) if oldest is not None else 0.0)
 
     def _ship_loop(self, stop: threading.Event) -> None:

@@ -125,6 +125,25 @@ class CollectorMetrics:
             f"{p}_segments_quarantined", "corrupt spool segments moved aside", registry=r
         )
         self.rows_shipped = Counter(f"{p}_rows_shipped", "rows written to the store", ["table"], registry=r)
+        self.segments_already_stored = Counter(
+            f"{p}_segments_already_stored",
+            "segments in doubt (crash or lost acknowledgement) the store already had: deleted, not sent again",
+            registry=r,
+        )
+        self.segments_partly_stored = Counter(
+            f"{p}_segments_partly_stored",
+            "segments in doubt the store had in part: those rows discarded, the segment sent again",
+            registry=r,
+        )
+        self.segments_in_doubt = Gauge(
+            f"{p}_segments_in_doubt", "segments whose delivery is being confirmed with the store", registry=r
+        )
+        self.spool_evicted_rows = Counter(
+            f"{p}_spool_evicted_rows",
+            "rows removed from the spool by its disk budget (store down too long), per table",
+            ["table"],
+            registry=r,
+        )
         self.store_errors = Counter(f"{p}_store_errors", "shipping passes the store refused", registry=r)
         self.write_errors = Counter(f"{p}_write_errors", "failures writing the local spool", ["component"], registry=r)
         self.last_ship_success = Gauge(
@@ -158,6 +177,10 @@ class CollectorMetrics:
             self.last_ship_success.set(now if now is not None else time.time())
         self.segments_shipped.inc(r.segments)
         self.segments_quarantined.inc(r.quarantined)
+        self.segments_already_stored.inc(r.already_stored)
+        self.segments_partly_stored.inc(r.partial)
+        for t, n in r.evicted.items():
+            self.spool_evicted_rows.labels(t).inc(n)
         for t, n in r.rows.items():
             self.rows_shipped.labels(t).inc(n)
 

@@ -361,7 +361,20 @@ class GpuSampler:
             "ecc_uncorrected": int(ecc["ecc_uncorrected"]) if ecc["ecc_uncorrected"] is not None else _UNKNOWN_INT,
             "pcie_replay": int(replay) if replay is not None else _UNKNOWN_INT,
             "nvlink_errors": nvlink_errors,
+            "pcie_tx_bytes_per_s": extra.get("pcie_tx_bytes_per_second", math.nan),
+            "pcie_rx_bytes_per_s": extra.get("pcie_rx_bytes_per_second", math.nan),
+            "nvlink_tx_bytes_per_s": extra.get("nvlink_tx_bytes_per_second", math.nan),
+            "nvlink_rx_bytes_per_s": extra.get("nvlink_rx_bytes_per_second", math.nan),
         }
+        for key in (
+            "ecc_corrected_aggregate",
+            "ecc_uncorrected_aggregate",
+            "retired_pages_sbe",
+            "retired_pages_dbe",
+            "remapped_rows_correctable",
+            "remapped_rows_uncorrectable",
+        ):
+            row[key] = int(extra[key]) if key in extra else _UNKNOWN_INT
         events = self._counter_events(g, now, row, extra, job_id, rank)
         if g.lost and not was_lost:
             events.append(self._event(g, now, job_id, rank, "gpu_lost", 0, "NVML: GPU is lost (fallen off the bus?)"))

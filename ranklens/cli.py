@@ -618,12 +618,14 @@ def collect(
     )
     store = _open(store_url)
     if not follow:
-        from ranklens.collector import Shipper
-
-        r = Shipper(cfg.spool_dir, store).ship_once()
+        r = cfg.shipper(store).ship_once()
         parts = [f"{r.segments} segment(s)", ", ".join(f"{k} {v}" for k, v in sorted(r.rows.items()))]
         if r.quarantined:
             parts.append(f"{r.quarantined} quarantined")
+        if r.already_stored:
+            parts.append(f"{r.already_stored} already stored (not sent again)")
+        if r.evicted:
+            parts.append("over the disk budget, removed " + ", ".join(f"{n} {t}" for t, n in sorted(r.evicted.items())))
         click.echo("collect: " + "; ".join(p for p in parts if p), err=True)
         if r.error:
             raise StoreUnavailableError(r.error)

@@ -8,6 +8,10 @@ server, our minimum) and current releases both accept: no ``DateTime64``, ``Map`
 ``LowCardinality``. Times are ``Int64`` nanoseconds since the Unix epoch (``*_ns``); "unknown" is a
 default value (``-1``, ``''``, ``nan``), never NULL.
 
+Every table ends with ``ingest_id``: the identity of the batch a row was shipped in (the collector
+sets it per spool segment, a content hash), which makes shipping idempotent: a segment the
+collector is not sure it delivered is looked up by id before it is sent again.
+
 Bump :data:`SCHEMA_VERSION` whenever a table or column changes: stores refuse a mismatch.
 """
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "INGEST_ID",
     "SCHEMA_VERSION",
     "TABLES",
     "Column",
@@ -27,7 +32,7 @@ __all__ = [
     "table",
 ]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _SCALARS = {"Int32", "Int64", "UInt8", "UInt32", "UInt64", "Float64", "String"}
 
@@ -118,7 +123,11 @@ def _job(*, rank: bool = True) -> list[Column]:
 TABLES: dict[str, Table] = {}
 
 
+INGEST_ID = "ingest_id"
+
+
 def _table(name: str, cols: list[Column], order_by: tuple[str, ...], doc: str, **kw: Any) -> None:
+    cols = [*cols, _c(INGEST_ID, "UInt64", "the batch (spool segment) the row was shipped in; 0 untracked")]
     TABLES[name] = Table(name, tuple(cols), order_by, doc=doc, **kw)
 
 
@@ -229,6 +238,16 @@ _table(
         _c("ecc_uncorrected", "Int64", "volatile uncorrected ECC errors"),
         _c("pcie_replay", "Int64", "PCIe replay counter"),
         _c("nvlink_errors", "Int64", "NVLink error counters, summed"),
+        _c("pcie_tx_bytes_per_s", "Float64", "PCIe transmit throughput, nan unknown"),
+        _c("pcie_rx_bytes_per_s", "Float64", "PCIe receive throughput, nan unknown"),
+        _c("nvlink_tx_bytes_per_s", "Float64", "NVLink transmit throughput (all links), nan unknown"),
+        _c("nvlink_rx_bytes_per_s", "Float64", "NVLink receive throughput (all links), nan unknown"),
+        _c("ecc_corrected_aggregate", "Int64", "lifetime corrected ECC errors, -1 unknown", default=-1),
+        _c("ecc_uncorrected_aggregate", "Int64", "lifetime uncorrected ECC errors, -1 unknown", default=-1),
+        _c("retired_pages_sbe", "Int64", "pages retired for repeated single-bit errors, -1 unknown", default=-1),
+        _c("retired_pages_dbe", "Int64", "pages retired for double-bit errors, -1 unknown", default=-1),
+        _c("remapped_rows_correctable", "Int64", "rows remapped for correctable errors, -1 unknown", default=-1),
+        _c("remapped_rows_uncorrectable", "Int64", "rows remapped for uncorrectable errors, -1 unknown", default=-1),
     ],
     ("host", "gpu_index", "ts_ns"),
     "one row per GPU x sample time",

@@ -27,13 +27,15 @@ def test_corrupt_segment_is_quarantined_not_lost(tmp_path, embedded_store):
     good = w.write("collectives", [ROW])
     bad = w.write("collectives", [ROW])
     bad.write_text(bad.read_text()[:-8])  # truncated mid-record
-    r = Shipper(tmp_path / "spool", embedded_store).ship_once()
+    sh = Shipper(tmp_path / "spool", embedded_store)
+    r = sh.ship_once()
     assert r.ok and r.segments == 1 and r.quarantined == 1
     assert not good.exists()
     q = list((tmp_path / "spool" / "quarantine").iterdir())
     assert any(p.suffix == ".jsonl" for p in q) and any(p.suffix == ".reason" for p in q)
     reason = next(p for p in q if p.suffix == ".reason").read_text()
     assert "line 2" in reason and "not valid JSON" in reason
+    assert sh.ship_once().ok  # the drop count travels through the spool like every row
     assert embedded_store.query("SELECT sum(count) FROM drops WHERE what = 'spool_segment_quarantined'").scalar() == 1
 
 
@@ -48,3 +50,170 @@ def test_store_failure_keeps_segments_for_retry(tmp_path, embedded_store):
     shutil.move(tmp_path / "moved", parts)  # it comes back
     assert sh.ship_once().ok and not seg.exists()
     assert embedded_store.query("SELECT count() FROM collectives").scalar() == 1
+
+
+# --- exactly once: segments in doubt, partial batches, the journal, the disk budget -----------------
+
+
+def _rows(n: int, start: int = 0) -> list[dict]:
+    return [dict(ROW, seq=start + i) for i in range(n)]
+
+
+def _seqs(store) -> list[int]:
+    return sorted(int(s) for (s,) in store.query("SELECT seq FROM collectives").rows())
+
+
+class _FailAfterWrite:
+    """The store takes the rows, then the connection drops before the answer (the ack is lost)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.url, self.backend = inner, inner.url, inner.backend
+        self.fail = True
+
+    def write_many(self, batches):
+        written = self.inner.write_many(batches)
+        if self.fail:
+            from ranklens.errors import StoreUnavailable
+
+            raise StoreUnavailable("connection reset after the block was sent")
+        return written
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_lost_acknowledgement_is_not_shipped_twice(tmp_path, store):
+    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(5))
+    flaky = _FailAfterWrite(store)
+    sh = Shipper(tmp_path / "spool", flaky)
+    assert not sh.ship_once().ok and len(sh.pending()) == 1 and sh.in_doubt
+    flaky.fail = False
+    r = sh.ship_once()
+    assert r.ok and r.already_stored == 1 and r.rows == {} and sh.pending() == []
+    assert _seqs(store) == list(range(5))
+    ids = store.query("SELECT DISTINCT ingest_id FROM collectives").rows()
+    assert len(ids) == 1 and ids[0][0] != 0
+
+
+def test_restart_after_a_crash_between_store_and_delete(tmp_path, store):
+    spool = tmp_path / "spool"
+    SpoolWriter(spool, "j", 0, 0).write("collectives", _rows(3))
+    flaky = _FailAfterWrite(store)
+    Shipper(spool, flaky).ship_once()  # rows stored, segment kept, journal names it
+    journal = spool / "_collector" / "state"
+    assert list(journal.rglob("shipping.json"))
+    SpoolWriter(spool, "j", 0, 1).write("collectives", _rows(2, start=10))
+    sh = Shipper(spool, store)  # "restarted": a new object reads the journal
+    assert sh.in_doubt
+    r = sh.ship_once()
+    assert r.ok and r.already_stored == 1 and r.segments == 2 and r.rows == {"collectives": 2}
+    assert _seqs(store) == [0, 1, 2, 10, 11]
+    assert not sh.in_doubt and sh.ship_once().segments == 0
+
+
+def test_partly_stored_segment_is_discarded_and_sent_again(tmp_path, store):
+    from ranklens.collector.shipper import _stamp, ingest_id_of
+    from ranklens.ingest import read_jsonl
+
+    spool = tmp_path / "spool"
+    seg = SpoolWriter(spool, "j", 0, 0).write("collectives", _rows(6))
+    rel = seg.relative_to(spool).as_posix()
+    _, data = read_jsonl(seg)
+    store.write("collectives", _stamp(data.slice(0, 4), ingest_id_of(rel, seg.read_bytes())))  # a half block
+    sh = Shipper(spool, store)
+    sh.in_doubt.add(rel)
+    r = sh.ship_once()
+    assert r.ok and r.partial == 1 and r.rows == {"collectives": 6}
+    assert _seqs(store) == list(range(6))
+
+
+def test_segments_not_in_doubt_are_sent_without_asking(tmp_path, embedded_store):
+    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(2))
+    queries = []
+    real = embedded_store.query
+    embedded_store.query = lambda sql: queries.append(sql) or real(sql)
+    try:
+        assert Shipper(tmp_path / "spool", embedded_store).ship_once().ok
+    finally:
+        del embedded_store.query
+    assert queries == []
+
+
+def test_big_passes_are_split_at_segment_boundaries(tmp_path, embedded_store, monkeypatch):
+    import ranklens.collector.shipper as shipper
+
+    monkeypatch.setattr(shipper, "MAX_BLOCK_ROWS", 5)
+    w = SpoolWriter(tmp_path / "spool", "j", 0, 0)
+    for k in range(4):
+        w.write("collectives", _rows(3, start=10 * k))
+    calls = []
+    real = embedded_store.write_many
+    monkeypatch.setattr(
+        embedded_store, "write_many", lambda b: calls.append({k: v.num_rows for k, v in b.items()}) or real(b)
+    )
+    assert Shipper(tmp_path / "spool", embedded_store).ship_once().ok
+    assert calls == [{"collectives": 3}] * 4  # 3 + 3 > 5: never half a segment in a block
+    assert len(_seqs(embedded_store)) == 12
+
+
+def test_unreadable_journal_puts_every_segment_in_doubt(tmp_path, embedded_store):
+    spool = tmp_path / "spool"
+    SpoolWriter(spool, "j", 0, 0).write("collectives", _rows(2))
+    sh = Shipper(spool, embedded_store)
+    sh.journal_path.parent.mkdir(parents=True)
+    sh.journal_path.write_text("{not json")
+    sh = Shipper(spool, embedded_store)
+    assert len(sh.in_doubt) == 1
+    assert sh.ship_once().ok and _seqs(embedded_store) == [0, 1]
+
+
+def test_disk_budget_drops_oldest_low_value_data_first_and_counts_it(tmp_path, embedded_store):
+    from ranklens.collector.shipper import SpoolBudget
+    from ranklens.errors import StoreUnavailable
+
+    spool = tmp_path / "spool"
+    w = SpoolWriter(spool, "j", 0, 0)
+    hb = {"job_id": "j", "rank": 0, "ts_ns": 1}
+    old_hb = [w.write("heartbeats", [dict(hb, ts_ns=i) for i in range(50)]) for _ in range(3)]
+    coll = [w.write("collectives", _rows(50, start=100 * k)) for k in range(3)]
+    logs = w.write("log_events", [{"job_id": "j", "ts_ns": 1, "klass": "nccl_error", "message": "NCCL WARN x"}] * 50)
+    sizes = {p: p.stat().st_size for p in [*old_hb, *coll, logs]}
+    # over budget by more than one heartbeat segment, less than two, counting the budget's hysteresis
+    # (it frees down to a tenth below the limit)
+    limit = int((sum(sizes.values()) - sizes[old_hb[0]] - sizes[old_hb[1]] / 2) / 0.9)
+
+    class Down:
+        url, backend = "down://", "down"
+
+        def write_many(self, batches):
+            raise StoreUnavailable("down")
+
+        def query(self, sql):
+            raise StoreUnavailable("down")
+
+    sh = Shipper(spool, Down(), budget=SpoolBudget(max_bytes=limit, min_free_bytes=0, check_interval_s=0))
+    r = sh.ship_once()
+    assert not r.ok
+    # heartbeats go first (low value), oldest first; collectives and log events are kept
+    assert r.evicted == {"heartbeats": 100}
+    assert [p.exists() for p in old_hb] == [False, False, True]
+    assert all(p.exists() for p in [*coll, logs])
+    sh.store = embedded_store
+    assert sh.ship_once().ok and sh.ship_once().ok
+    assert embedded_store.query("SELECT count() FROM heartbeats").scalar() == 50
+    assert embedded_store.query("SELECT count() FROM collectives").scalar() == 150
+    got = embedded_store.query("SELECT what, sum(count) AS n FROM drops GROUP BY what").rows()
+    assert got == [("spool_budget:heartbeats", 100)]
+
+
+def test_parse_bytes_and_budget_errors():
+    import pytest
+
+    from ranklens.collector.shipper import parse_bytes
+    from ranklens.errors import ConfigError
+
+    assert parse_bytes("20GiB") == 20 * 1024**3 and parse_bytes("500MB") == 500 * 10**6
+    assert parse_bytes("1.5 kib") == 1536 and parse_bytes(123) == 123 and parse_bytes("0") == 0
+    for bad in ("lots", "-1GB", True, -5):
+        with pytest.raises(ConfigError):
+            parse_bytes(bad, "spool_max_bytes")

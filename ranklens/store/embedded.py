@@ -234,6 +234,43 @@ class EmbeddedStore:
                 self._write_json("manifest.json", m)
         return merged
 
+    def discard_ingest(self, table_name: str, ingest_ids: Iterable[int]) -> int:
+        """Remove the rows of the given ``ingest_id`` batches (a collector re-sending a batch the
+        store holds in part); returns how many rows went. One commit; old parts are garbage."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        name = table(table_name).name
+        ids = pa.array(sorted({int(i) for i in ingest_ids}), type=pa.uint64())
+        removed = 0
+        with self._locked():
+            m = self._read_manifest()
+            d = self.root / "parts" / name
+            now = time.time()
+            kept = []
+            for part in m["tables"].get(name, []):
+                data = pq.read_table(d / part[0])
+                mask = pc.is_in(data.column("ingest_id"), value_set=ids)
+                drop = pc.sum(mask).as_py() or 0
+                if not drop:
+                    kept.append(part)
+                    continue
+                removed += drop
+                rest = data.filter(pc.invert(mask))
+                m["garbage"].append([f"{name}/{part[0]}", now])
+                if rest.num_rows:
+                    new = f"part-{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.parquet"
+                    tmp = d / f".{new}.tmp"
+                    pq.write_table(rest, tmp, compression="zstd")
+                    os.replace(tmp, d / new)
+                    kept.append([new, rest.num_rows])
+            if removed:
+                m["tables"][name] = kept
+                m["generation"] += 1
+                self._write_json("manifest.json", m)
+        return removed
+
     # -- reading ------------------------------------------------------------------------
     def parts(self, table_name: str) -> list[str]:
         """Names of the committed parts of a table (for tools and tests)."""

@@ -238,6 +238,29 @@ class ServerStore:
             )
         return counts
 
+    def discard_ingest(self, table_name: str, ingest_ids: Iterable[int], *, timeout_s: float = 300.0) -> None:
+        """Delete the rows of the given ``ingest_id`` batches (a collector re-sending a batch the
+        server applied in part) and wait until the deletion (a mutation) has finished."""
+        name = table(table_name).name
+        ids = ", ".join(str(int(i)) for i in sorted(set(ingest_ids)))
+        if not ids:
+            return
+        self._execute(f"ALTER TABLE {name} DELETE WHERE ingest_id IN ({ids})")
+        deadline = time.monotonic() + timeout_s
+        db = self.config.database
+        while True:
+            left = self._execute(
+                f"SELECT count() FROM system.mutations WHERE database = '{db}' AND table = '{name}' AND is_done = 0"
+            )[0][0]
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise StoreError(
+                    f"ClickHouse server {self.url}: deleting a partly stored batch from {name} did not finish "
+                    f"within {timeout_s:.0f} s (see system.mutations); the collector will try again"
+                )
+            time.sleep(0.1)
+
     # -- reading ------------------------------------------------------------------------
     def query(self, sql: str) -> QueryResult:
         import pyarrow as pa
