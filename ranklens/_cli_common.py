@@ -108,6 +108,22 @@ def agent_options(f: F) -> F:
                 help="Serve Prometheus metrics on this port.",
             ),
             click.option("--metrics-addr", default=None, help="Address the metrics endpoint binds (default 0.0.0.0)."),
+            click.option(
+                "--log-level",
+                type=click.Choice(["debug", "info", "warning", "error"]),
+                envvar="RANKLENS_LOG_LEVEL",
+                default="info",
+                show_default=True,
+                help="The collector's own log level (env RANKLENS_LOG_LEVEL).",
+            ),
+            click.option(
+                "--log-format",
+                type=click.Choice(["text", "json"]),
+                envvar="RANKLENS_LOG_FORMAT",
+                default="text",
+                show_default=True,
+                help="The collector's own logs on stderr: text lines or one JSON object per line.",
+            ),
         ]
     ):
         f = opt(f)

@@ -600,11 +600,17 @@ def collect(
     nvml: bool | None,
     metrics_port: int | None,
     metrics_addr: str | None,
+    log_level: str,
+    log_format: str,
 ) -> None:
-    """The per-node collector: ships rank spools into the store (a segment is deleted only after the
-    store has it); with --follow, runs as the node agent that also filters logs at the source,
+    """The per-node collector: ships rank spools into the store, every row exactly once (a segment
+    is deleted only after the store has it; one the collector is unsure about is looked up before
+    it is sent again); with --follow, runs as the node agent that also filters logs at the source,
     samples GPU health (NVML) and exposes Prometheus metrics."""
     from ranklens.collector.agent import Agent, load_config
+    from ranklens.logs import setup_logging
+
+    setup_logging(log_level, log_format)
 
     cfg = load_config(
         config_file,
