@@ -13,7 +13,8 @@ job's recent step time. Decision (:func:`detect_live_hangs`):
 * members that never entered it are the suspects. A suspect that is itself waiting in another
   stuck collective is a victim: following "waits for" links leads to the origin rank and the
   origin group (a hang in a subgroup that blocks the rest is named as such: a *cascade*);
-* the origin rank is classified: heartbeats stopped and its process is gone → ``crash``;
+* the origin rank is classified: heartbeats stopped and its process is gone (checked here, or
+  reported by the rank's node collector: a heartbeat with ``exited = 2``) → ``crash``;
   heartbeats stopped but the process may be alive (other host) → ``hang`` of an unresponsive
   process; heartbeats fresh → ``hang``: stuck before the collective, in its last phase;
 * every member entered and nothing completes → ``hang`` with ``cause = "network"`` (for the link
@@ -84,6 +85,7 @@ class LiveRank:
     completed: dict[str, int] = field(default_factory=dict)
     pending: dict[tuple[str, int], tuple[str, int, int]] = field(default_factory=dict)  # -> (op, nbytes, enter_ns)
     exited: bool = False  # shut tracing down cleanly: finished, not dead
+    gone: bool = False  # its node's collector saw its process disappear without that
 
 
 def pid_alive_local(host: str, pid: int) -> bool | None:
@@ -152,7 +154,8 @@ def _load_ranks(store: Store, job_id: str, attempt: int, since_ns: int = 0) -> d
             entered=dict(zip(h["pgs"], map(int, h["pg_entered"]))),
             completed=dict(zip(h["pgs"], map(int, h["pg_completed"]))),
             pending=pending,
-            exited=bool(h["exited"]),
+            exited=int(h["exited"]) == 1,
+            gone=int(h["exited"]) == 2,
         )
     return out
 
@@ -243,6 +246,12 @@ def detect_live_hangs(
     else:
         threshold_s = max(cfg.min_stall_s, cfg.startup_stall_s)
     exit_codes = exit_codes or {}
+    gone = {(r.host, r.pid) for r in ranks.values() if r.gone}
+    if gone:  # the node's collector saw these processes disappear: no need to be on their host
+        local_check = pid_alive
+
+        def pid_alive(host: str, pid: int) -> bool | None:
+            return False if (host, pid) in gone else local_check(host, pid)
 
     def stale(r: int) -> bool:
         return r not in ranks or (now - ranks[r].ts_ns) > cfg.heartbeat_stale_s * 1e9

@@ -8,7 +8,9 @@ Loops (each a daemon thread, each surviving its own errors):
   source, and commits events to the local spool (offsets are saved only after that);
 - **gpu**: a :class:`~ranklens.collector.nvml.GpuSampler` reads NVML every ``nvml_interval_s``
   (off, with one log line, where there is no GPU);
-- **metrics**: ``/metrics`` for Prometheus on ``metrics_port``.
+- **metrics**: ``/metrics`` for Prometheus on ``metrics_port``;
+- **liveness** (in the ship loop): the pids of this node's ranks; a rank whose process is gone
+  without a clean shutdown gets a last heartbeat with ``exited = 2`` (:mod:`.liveness`).
 
 Everything the agent produces goes to disk first (``<spool>/_collector/<host>/``), so a store
 that is down costs disk, never rows. :meth:`Agent.stop` flushes the producers, makes one last
@@ -52,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ranklens.collector.liveness import LivenessWatcher
 from ranklens.collector.metrics import CollectorMetrics, MetricsServer
 from ranklens.collector.nvml import GpuSampler
 from ranklens.collector.outbox import COLLECTOR_DIR, Outbox
@@ -89,6 +92,9 @@ class AgentConfig:
         spool_max_bytes: the spool's disk budget (bytes or ``"20GiB"``; 0: none). Over it, the
             oldest segments of the least valuable tables are removed and counted in ``drops``.
         spool_min_free_bytes: free space to keep on the spool's filesystem (same policy).
+        liveness_interval_s: how often the pids of this node's ranks are checked; a rank whose
+            process is gone without a clean shutdown gets a last heartbeat with ``exited = 2``
+            (:mod:`ranklens.collector.liveness`); 0: off.
     """
 
     spool_dir: str = DEFAULT_SPOOL_DIR
@@ -107,6 +113,7 @@ class AgentConfig:
     shutdown_timeout_s: float = 10.0
     spool_max_bytes: int | str = 20 * 1024**3
     spool_min_free_bytes: int | str = 1024**3
+    liveness_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("spool_max_bytes", "spool_min_free_bytes"):
@@ -115,6 +122,9 @@ class AgentConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.01 <= v <= 3600:
                 raise ConfigError(f"collector {name}={v!r}: allowed 0.01..3600 seconds")
+        lv = self.liveness_interval_s
+        if not isinstance(lv, (int, float)) or isinstance(lv, bool) or not (lv == 0 or 0.01 <= lv <= 3600):
+            raise ConfigError(f"collector liveness_interval_s={lv!r}: allowed 0 (off) or 0.01..3600 seconds")
         if not isinstance(self.shutdown_timeout_s, (int, float)) or not 0 < self.shutdown_timeout_s <= 600:
             raise ConfigError(f"collector shutdown_timeout_s={self.shutdown_timeout_s!r}: allowed 0..600 seconds")
         if self.metrics_port is not None and (
@@ -246,7 +256,12 @@ class Agent:
         self.metrics = CollectorMetrics(registry)
         self.spool_dir = Path(config.spool_dir)
         self.outbox = Outbox(self.spool_dir, host=self.host, on_write=self._on_write)
-        self.shipper = config.shipper(store, outbox=self.outbox)
+        self.liveness: LivenessWatcher | None = None
+        if config.liveness_interval_s:
+            self.liveness = LivenessWatcher(self.outbox, interval_s=config.liveness_interval_s)
+        self.shipper = config.shipper(
+            store, outbox=self.outbox, on_segment=self.liveness.observe if self.liveness else None
+        )
         self.tailer: Tailer | None = None
         if config.logs:
             state_dir = config.state_path()
@@ -392,6 +407,11 @@ class Agent:
             except Exception:
                 log.exception("ranklens collector: shipping pass failed; segments stay for the next one")
                 self.metrics.store_errors.inc()
+            if self.liveness is not None:
+                try:
+                    self.metrics.ranks_gone.inc(len(self.liveness.check()))
+                except Exception:
+                    log.exception("ranklens collector: liveness check failed")
             if stopping:
                 return
             stop.wait(self.config.ship_interval_s)

@@ -144,6 +144,11 @@ class CollectorMetrics:
             ["table"],
             registry=r,
         )
+        self.ranks_gone = Counter(
+            f"{p}_ranks_gone",
+            "ranks on this node whose process disappeared without shutting tracing down",
+            registry=r,
+        )
         self.store_errors = Counter(f"{p}_store_errors", "shipping passes the store refused", registry=r)
         self.write_errors = Counter(f"{p}_write_errors", "failures writing the local spool", ["component"], registry=r)
         self.last_ship_success = Gauge(

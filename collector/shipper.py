@@ -153,6 +153,7 @@ class Shipper:
         journal: the delivery journal's path (default ``<spool>/_collector/state/<host>/shipping.json``).
         budget: disk budget of the spool (default :class:`SpoolBudget`; None: unbounded).
         outbox: where drop records are written (default: the collector's outbox for ``host``).
+        on_segment: called with (table, Arrow rows) for every segment read (the liveness watcher).
     """
 
     def __init__(
@@ -165,6 +166,7 @@ class Shipper:
         journal: str | os.PathLike[str] | None = None,
         budget: SpoolBudget | None = SpoolBudget(),
         outbox: Any = None,
+        on_segment: Callable[[str, Any], None] | None = None,
     ) -> None:
         from ranklens.collector.outbox import COLLECTOR_DIR, _safe
 
@@ -177,6 +179,7 @@ class Shipper:
         )
         self.budget = budget
         self._outbox = outbox
+        self.on_segment = on_segment
         self.totals: dict[str, int] = {}
         self.in_doubt: set[str] = self._load_journal()
         self._journaled: set[str] = set(self.in_doubt)
@@ -280,6 +283,11 @@ class Shipper:
                 self._forget(rel)
                 continue  # another collector took it
             segments.append(_Segment(seg, rel, name, data, ingest_id_of(rel, content)))
+            if self.on_segment is not None:
+                try:
+                    self.on_segment(name, data)
+                except Exception:
+                    log.exception("ranklens collector: segment observer failed (shipping goes on)")
         if segments:
             self._ship_segments(segments, result)
         if result.ok:

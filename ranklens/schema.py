@@ -308,7 +308,12 @@ _table(
         _c("pending_ops", "Array(String)", "in flight: op"),
         _c("pending_nbytes", "Array(Int64)", "in flight: bytes"),
         _c("pending_enter_ns", "Array(Int64)", "in flight: arrival time"),
-        _c("exited", "UInt8", "1 on the last heartbeat of a rank that shut tracing down cleanly"),
+        _c(
+            "exited",
+            "UInt8",
+            "1 on the last heartbeat of a rank that shut tracing down cleanly; 2 written by the node's "
+            "collector when the rank's process is gone without that",
+        ),
     ],
     ("job_id", "attempt", "rank", "ts_ns"),
     "one row per rank x heartbeat interval",

@@ -147,3 +147,29 @@ def test_slow_job_is_not_a_hung_job(job, embedded_store):
     config = HangConfig(min_stall_s=0.2, heartbeat_stale_s=3.0)
     findings, _ = j.watch(embedded_store, timeout_s=9, config=config)
     assert findings == []
+
+
+def test_node_collector_reports_a_dead_rank_to_an_analyzer_on_another_host(job, embedded_store):
+    """The rank's process vanishes (os._exit, as a SIGKILL or the OOM killer would leave it): the
+    analyzer runs "elsewhere" (cannot check pids, knows no exit codes), yet names a crash, because
+    the node's collector saw the pid disappear and wrote the rank's last heartbeat with exited = 2."""
+    from ranklens.collector.agent import Agent, AgentConfig
+
+    j = job("exit", rank=1, step=10)
+    cfg = AgentConfig(
+        spool_dir=str(j.spool), nvml=False, ship_interval_s=0.1, liveness_interval_s=0.3, spool_max_bytes=0
+    )
+    with Agent(cfg, store=embedded_store):
+        deadline = time.time() + 60
+        findings: list = []
+        while time.time() < deadline:
+            findings = detect_live_hangs(embedded_store, j.job_id, config=FAST, pid_alive=lambda h, p: None)
+            if any(f.kind == "crash" for f in findings):
+                break
+            time.sleep(0.5)
+    (f,) = [f for f in findings if f.kind == "crash"]
+    assert [s.rank for s in f.suspects] == [1] and "process is gone" in f.title
+    gone = embedded_store.query(
+        f"SELECT rank FROM heartbeats WHERE job_id = '{j.job_id}' AND exited = 2 ORDER BY rank"
+    ).rows()
+    assert 1 in [r for (r,) in gone]
