@@ -239,6 +239,8 @@ class Agent:
         registry: Prometheus registry for the metrics (default: a new one).
         nvml: the NVML module (default: ``pynvml``; a FakeNvml in tests).
         environ_reader: pid -> environment, for GPU -> rank mapping (tests).
+        otel_provider: an OpenTelemetry ``TracerProvider`` for spans of the shipping loop (default:
+            none, unless the OTEL_* variables ask for export, e.g. ``OTEL_EXPORTER_OTLP_ENDPOINT``).
     """
 
     def __init__(
@@ -249,6 +251,7 @@ class Agent:
         registry: Any | None = None,
         nvml: Any | None = None,
         environ_reader: Callable[[int], Mapping[str, str] | None] | None = None,
+        otel_provider: Any = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -259,8 +262,13 @@ class Agent:
         self.liveness: LivenessWatcher | None = None
         if config.liveness_interval_s:
             self.liveness = LivenessWatcher(self.outbox, interval_s=config.liveness_interval_s)
+        from ranklens.tracing.otel import collector_tracer
+
         self.shipper = config.shipper(
-            store, outbox=self.outbox, on_segment=self.liveness.observe if self.liveness else None
+            store,
+            outbox=self.outbox,
+            on_segment=self.liveness.observe if self.liveness else None,
+            tracer=collector_tracer(otel_provider, host=self.host),
         )
         self.tailer: Tailer | None = None
         if config.logs:

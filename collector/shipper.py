@@ -154,6 +154,7 @@ class Shipper:
         budget: disk budget of the spool (default :class:`SpoolBudget`; None: unbounded).
         outbox: where drop records are written (default: the collector's outbox for ``host``).
         on_segment: called with (table, Arrow rows) for every segment read (the liveness watcher).
+        tracer: an OpenTelemetry tracer: a span per pass, a child span per store call (off: None).
     """
 
     def __init__(
@@ -167,6 +168,7 @@ class Shipper:
         budget: SpoolBudget | None = SpoolBudget(),
         outbox: Any = None,
         on_segment: Callable[[str, Any], None] | None = None,
+        tracer: Any = None,
     ) -> None:
         from ranklens.collector.outbox import COLLECTOR_DIR, _safe
 
@@ -180,6 +182,7 @@ class Shipper:
         self.budget = budget
         self._outbox = outbox
         self.on_segment = on_segment
+        self.tracer = tracer  # OpenTelemetry tracer of the shipping loop (None: not traced)
         self.totals: dict[str, int] = {}
         self.in_doubt: set[str] = self._load_journal()
         self._journaled: set[str] = set(self.in_doubt)
@@ -266,6 +269,29 @@ class Shipper:
 
     def ship_once(self) -> ShipResult:
         """One pass over the spool: read, ask the store about segments in doubt, write, delete."""
+        if self.tracer is None:
+            return self._ship_once()
+        with self.tracer.start_as_current_span("ranklens.ship_pass") as span:
+            r = self._ship_once()
+            span.set_attribute("ranklens.segments", r.segments)
+            span.set_attribute("ranklens.rows", sum(r.rows.values()))
+            span.set_attribute("ranklens.already_stored", r.already_stored)
+            span.set_attribute("ranklens.quarantined", r.quarantined)
+            span.set_attribute("ranklens.in_doubt", len(self.in_doubt))
+            if r.error:
+                from opentelemetry.trace import Status, StatusCode
+
+                span.set_status(Status(StatusCode.ERROR, r.error[:200]))
+            return r
+
+    def _span(self, name: str, **attrs: Any) -> Any:
+        import contextlib
+
+        if self.tracer is None:
+            return contextlib.nullcontext()
+        return self.tracer.start_as_current_span(name, attributes={f"ranklens.{k}": v for k, v in attrs.items()})
+
+    def _ship_once(self) -> ShipResult:
         result = ShipResult()
         self._enforce_budget(result)
         segments: list[_Segment] = []
@@ -310,7 +336,8 @@ class Shipper:
         done: list[_Segment] = []
         if doubtful:
             try:
-                settled = self._settle(doubtful, result)
+                with self._span("ranklens.settle", segments=len(doubtful)):
+                    settled = self._settle(doubtful, result)
             except StoreError as e:
                 result.error = str(e)
                 log.warning("ranklens collector: store unavailable, %d segment(s) kept for retry: %s", len(segments), e)
@@ -327,7 +354,10 @@ class Shipper:
         self.in_doubt |= {s.rel for s in segments}
         try:
             for batch in _blocks(segments):
-                written = self.store.write_many(batch)
+                with self._span(
+                    "ranklens.store_write", tables=sorted(batch), rows=sum(t.num_rows for t in batch.values())
+                ):
+                    written = self.store.write_many(batch)
                 self._writes += 1
                 self._maybe_fault()
                 for k, v in written.items():

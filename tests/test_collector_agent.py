@@ -327,3 +327,24 @@ def test_alert_rules_use_metrics_the_collector_exports():
     CollectorMetrics(reg)
     exported = {s.name for fam in reg.collect() for s in fam.samples} | {fam.name for fam in reg.collect()}
     assert wanted and wanted <= exported, wanted - exported
+
+
+def test_shipping_loop_spans_when_asked(tmp_path, embedded_store):
+    otel = pytest.importorskip("opentelemetry.sdk.trace", reason="opentelemetry-sdk is not installed")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = otel.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW, dict(ROW, seq=2)])
+    agent = Agent(
+        _config(tmp_path, nvml=False, logs=(), metrics_port=None), store=embedded_store, otel_provider=provider
+    )
+    agent.ship_once()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["ranklens.ship_pass"].attributes["ranklens.rows"] == 2
+    write = spans["ranklens.store_write"]
+    assert write.parent.span_id == spans["ranklens.ship_pass"].context.span_id
+    assert write.attributes["ranklens.tables"] == ("collectives",) and write.attributes["ranklens.rows"] == 2
+    assert Agent(_config(tmp_path, nvml=False, logs=()), store=embedded_store).shipper.tracer is None  # off by default

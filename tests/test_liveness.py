@@ -14,7 +14,6 @@ from ranklens.collector.outbox import Outbox
 from ranklens.ingest import read_jsonl
 from ranklens.records import to_arrow
 
-
 T0 = time.time_ns()
 
 

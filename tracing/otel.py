@@ -1,4 +1,5 @@
-"""OpenTelemetry spans for training steps: one span per step, phases as child spans.
+"""OpenTelemetry spans for training steps (one span per step, phases as child spans) and for the
+collector's own shipping loop (:func:`collector_tracer`: a span per pass, a child per store call).
 
 Off unless asked for: either a ``TracerProvider`` is passed to :func:`ranklens.tracing.init`
 (``otel_provider=``), or the standard variables ask for export — ``OTEL_TRACES_EXPORTER`` (``otlp``,
@@ -16,7 +17,7 @@ import os
 import socket
 from typing import Any
 
-__all__ = ["StepSpans", "otel_requested"]
+__all__ = ["StepSpans", "collector_tracer", "otel_requested"]
 
 log = logging.getLogger("ranklens.tracing")
 
@@ -49,12 +50,30 @@ def _resource_attributes(job_id: str, attempt: int, rank: int, world_size: int) 
     return attrs
 
 
-def _provider_from_env(attrs: dict[str, Any]) -> Any:
+def collector_tracer(provider: Any = None, *, host: str = "") -> Any:
+    """An OpenTelemetry tracer for the collector's own shipping loop, or None when nobody asked
+    (no provider given and no OTEL_* export variable set) or the SDK is missing."""
+    try:
+        if provider is None:
+            if not otel_requested():
+                return None
+            attrs = {"service.name": os.environ.get("OTEL_SERVICE_NAME", "ranklens-collector")}
+            provider = _provider_from_env({**attrs, "host.name": host or socket.gethostname()}, default_service=None)
+        return provider.get_tracer("ranklens.collector")
+    except ImportError:
+        log.warning("ranklens: OpenTelemetry asked for, but opentelemetry-sdk is not installed")
+    except Exception:
+        log.exception("ranklens: OpenTelemetry setup failed; the collector is not traced")
+    return None
+
+
+def _provider_from_env(attrs: dict[str, Any], *, default_service: str | None = "ranklens-training") -> Any:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-    attrs = {"service.name": os.environ.get("OTEL_SERVICE_NAME", "ranklens-training"), **attrs}
+    if default_service is not None:
+        attrs = {"service.name": os.environ.get("OTEL_SERVICE_NAME", default_service), **attrs}
     provider = TracerProvider(resource=Resource.create(attrs))
     kind = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() or "otlp"
     for name in (k.strip() for k in kind.split(",")):
