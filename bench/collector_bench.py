@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -67,11 +68,27 @@ def rss_mb() -> float:
 def ship_rate(name: str, store, rows: int) -> None:
     root = Path(tempfile.mkdtemp(prefix="ranklens-collector-bench-"))
     make_spool(root, rows)
+    copy = Path(tempfile.mkdtemp(prefix="ranklens-collector-bench-copy-")) / "spool"
+    shutil.copytree(root, copy)
     t = time.perf_counter()
     r = Shipper(root, store).ship_once()
     dt = time.perf_counter() - t
     n = r.rows.get("collectives", 0)
     print(f"{name:9s} spool -> store: {n:,} rows in {r.segments} segments, {dt:.2f} s = {n / dt:,.0f} rows/s")
+    # The same segments again, all of them in doubt (as after a crash right after the store took
+    # them): the store is asked, nothing is sent twice.
+    shutil.rmtree(root)
+    shutil.copytree(copy, root)
+    sh = Shipper(root, store)
+    sh.in_doubt = {p.relative_to(root).as_posix() for p in sh.pending()}
+    t = time.perf_counter()
+    r = sh.ship_once()
+    dt = time.perf_counter() - t
+    total = store.query("SELECT count() FROM collectives WHERE job_id = 'bench'").scalar()
+    print(
+        f"{name:9s} replay of the same {r.already_stored} segments, all in doubt: {dt:.2f} s, "
+        f"{sum(r.rows.values())} rows sent again, {total:,} rows in the store (duplicates: {total - n:,})"
+    )
 
 
 def _port() -> int:
@@ -126,6 +143,7 @@ def main() -> int:
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="ranklens-collector-store-")
     embedded = open_store(f"embedded://{tmp}/store")
+    agent_cost(embedded)  # first, so the process's RSS is the agent's, not the throughput runs'
     ship_rate("embedded", embedded, args.rows)
     if args.server:
         server = open_store(f"{args.server.rstrip('/')}/ranklens_bench_{uuid.uuid4().hex[:8]}")
@@ -134,7 +152,6 @@ def main() -> int:
         finally:
             server.drop_database()
             server.close()
-    agent_cost(embedded)
     return 0
 
 

@@ -242,7 +242,8 @@ class Shipper:
                 self.journal_path,
             )
             return {self._rel(p) for p in self._walk()}
-        doubt = {str(s) for s in raw.get("in_doubt", [])}
+        # the journal lists each pass's segments; those since shipped and deleted are not in doubt
+        doubt = {str(s) for s in raw.get("in_doubt", []) if (self.spool_dir / str(s)).exists()}
         if doubt:
             log.info(
                 "ranklens collector: %d segment(s) in doubt from the last run; the store is asked first", len(doubt)
@@ -300,7 +301,7 @@ class Shipper:
             rel = self._rel(seg)
             try:
                 content = seg.read_bytes()
-                name, data = read_jsonl(seg)
+                name, data = read_jsonl(seg, content=content)
             except IngestError as e:
                 self._quarantine(seg, str(e))
                 result.quarantined += 1
@@ -324,11 +325,6 @@ class Shipper:
         self._record_drops(drops)
         if result.ok and len(pending) < self.max_segments:
             self.spool_bytes, self.spool_segments, self.spool_oldest = 0, 0, None  # drained
-        if not self.in_doubt and self._journaled:
-            try:
-                self._write_journal(set())
-            except OSError as e:
-                log.warning("ranklens collector: cannot clear the delivery journal: %s", e)
         return result
 
     def _ship_segments(self, segments: list[_Segment], result: ShipResult) -> None:
