@@ -10,6 +10,11 @@ shut tracing down cleanly it writes one more heartbeat for the rank, a copy of i
 ``exited = 2`` ("process gone, seen by the node's collector") and ``ts_ns`` one nanosecond after
 it (so the rank's silence still dates from its last real heartbeat). The live hang analyzer
 classifies such a rank as crashed wherever it runs.
+
+Only pids the collector can see are checked: heartbeats carry the rank's pid namespace
+(``pid_ns``), and a rank is watched when it shares the collector's (bare metal, Slurm, or containers
+with the host's pid namespace; on Kubernetes, run the collector and the training pods with
+``hostPID: true``); a rank in a pid namespace of its own is left to the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import socket
 import time
 from collections.abc import Callable
 from typing import Any
+
+from ranklens.tracing.tracer import pid_namespace
 
 __all__ = ["EXITED_CLEAN", "EXITED_GONE", "LivenessWatcher"]
 
@@ -51,8 +58,9 @@ class LivenessWatcher:
 
         self.sink = sink
         self.host = host or socket.gethostname()
-        self.pid_alive = pid_alive or pid_alive_local
+        self.pid_alive = pid_alive or (lambda _host, pid: pid_alive_local(socket.gethostname(), pid))
         self.interval_s = interval_s
+        self.pid_ns = pid_namespace()
         self.watched: dict[tuple[str, int, int], dict[str, Any]] = {}
         self.reported = 0
         self._last_check = 0.0
@@ -63,7 +71,7 @@ class LivenessWatcher:
         if table_name != "heartbeats" or data.num_rows == 0:
             return
         for row in data.to_pylist():
-            if row.get("host") != self.host or int(row.get("pid") or 0) <= 0:
+            if int(row.get("pid") or 0) <= 0 or not self._checkable(row):
                 continue
             key = (str(row["job_id"]), int(row.get("attempt") or 0), int(row["rank"]))
             prev = self.watched.get(key)
@@ -73,6 +81,14 @@ class LivenessWatcher:
                 self.watched.pop(key, None)  # shut down cleanly (or already reported): nothing to watch
                 continue
             self.watched[key] = row
+
+    def _checkable(self, row: dict[str, Any]) -> bool:
+        """Is the row's pid one of ours? Same pid namespace (the spool is node-local, so the same
+        node); for tracers that do not say, the same host name."""
+        ns = int(row.get("pid_ns") or 0)
+        if ns and self.pid_ns:
+            return ns == self.pid_ns
+        return row.get("host") == self.host
 
     def check(self, *, force: bool = False) -> list[dict[str, Any]]:
         """Check the watched pids (at most every ``interval_s``); write and return the heartbeats of

@@ -296,6 +296,7 @@ _table(
         _c("ts_ns", "Int64", "heartbeat time", required=True),
         _c("pid", "Int32", "process id"),
         _c("host", "String", "host (node) name"),
+        _c("pid_ns", "Int64", "inode of the rank's pid namespace (which pids `pid` is one of), 0 unknown"),
         _c("step", "Int64", "last step started", default=-1),
         _c("phase", "String", "phase in progress ('' none)"),
         _c("phase_start_ns", "Int64", "when the phase in progress started (0 none)"),

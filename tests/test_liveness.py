@@ -52,3 +52,17 @@ def test_clean_exit_is_not_reported(tmp_path):
     assert w.check(force=True) == []  # suspect
     w.observe("heartbeats", _hb(child.pid, ts=200, exited=1))  # its last heartbeat arrives
     assert w.check(force=True) == [] and w.watched == {}
+
+
+def test_only_pids_of_our_pid_namespace_are_watched(tmp_path):
+    from ranklens.tracing.tracer import pid_namespace
+
+    w = LivenessWatcher(Outbox(tmp_path / "spool", host="n"))
+    ours = pid_namespace()
+    assert ours  # Linux
+    i = _hb(1, ts=1).column_names.index("pid_ns")
+    same_ns = _hb(4242, ts=1, rank=0, host="training-pod-7").set_column(i, "pid_ns", pa.array([ours]))
+    other_ns = _hb(4242, ts=1, rank=1).set_column(i, "pid_ns", pa.array([ours + 1]))
+    w.observe("heartbeats", same_ns)  # another host name (a container), our pid namespace: checkable
+    w.observe("heartbeats", other_ns)  # our host name, a pid namespace of its own: its pid means nothing here
+    assert list(w.watched) == [("j", 0, 0)]

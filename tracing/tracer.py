@@ -26,6 +26,15 @@ FR_SIGNAL_KEY = "ranklens/fr_dump_signal"
 TABLES = ("collectives", "steps", "phases", "process_groups", "ranks", "heartbeats", "drops")
 
 
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 unknown): tells the node's collector whether
+    the ``pid`` in our heartbeats is one it can check."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 class Tracer:
     """Collects records of one rank and spools them from a background thread.
 
@@ -78,6 +87,7 @@ class Tracer:
         self._phase_start = 0
         self._last_progress = 0
         self._host = socket.gethostname()
+        self._pid_ns = pid_namespace()
         self._pg_names: dict[int, tuple[str, Any]] = {}
         self._interval = flush_interval_s
         self._fr_stuck_ns = int(fr_stuck_s * 1e9) if fr_stuck_s > 0 else 0
@@ -246,6 +256,7 @@ class Tracer:
             "ts_ns": now,
             "pid": self._pid,
             "host": self._host,
+            "pid_ns": self._pid_ns,
             "step": self._step,
             "phase": self._phase,
             "phase_start_ns": self._phase_start,
