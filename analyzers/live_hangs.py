@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ranklens.analyzers.findings import Finding, Severity, Suspect, finding_id
+from ranklens.config import node_name
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
@@ -90,7 +91,7 @@ class LiveRank:
 
 def pid_alive_local(host: str, pid: int) -> bool | None:
     """True/False when ``host`` is this machine and the pid can be checked, else None (unknown)."""
-    if host != socket.gethostname() or pid <= 0:
+    if host not in (node_name(), socket.gethostname()) or pid <= 0:
         return None
     try:
         os.kill(pid, 0)

@@ -46,7 +46,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -61,7 +60,7 @@ from ranklens.collector.outbox import COLLECTOR_DIR, Outbox
 from ranklens.collector.rules import RuleSet, load_rules, read_config_file, rules_from_config
 from ranklens.collector.shipper import COMPACT_EVERY, Shipper, SpoolBudget, parse_bytes
 from ranklens.collector.tailer import LogSource, Tailer
-from ranklens.config import DEFAULT_SPOOL_DIR
+from ranklens.config import DEFAULT_SPOOL_DIR, node_name
 from ranklens.errors import ConfigError
 from ranklens.store.api import Store
 
@@ -138,7 +137,7 @@ class AgentConfig:
 
     @property
     def hostname(self) -> str:
-        return self.host or socket.gethostname()
+        return self.host or node_name()
 
     @property
     def budget(self) -> SpoolBudget:

@@ -20,11 +20,11 @@ with the host's pid namespace; on Kubernetes, run the collector and the training
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ranklens.config import node_name
 from ranklens.tracing.tracer import pid_namespace
 
 __all__ = ["EXITED_CLEAN", "EXITED_GONE", "LivenessWatcher"]
@@ -57,8 +57,8 @@ class LivenessWatcher:
         from ranklens.analyzers.live_hangs import pid_alive_local
 
         self.sink = sink
-        self.host = host or socket.gethostname()
-        self.pid_alive = pid_alive or (lambda _host, pid: pid_alive_local(socket.gethostname(), pid))
+        self.host = host or node_name()
+        self.pid_alive = pid_alive or (lambda _host, pid: pid_alive_local(node_name(), pid))
         self.interval_s = interval_s
         self.pid_ns = pid_namespace()
         self.watched: dict[tuple[str, int, int], dict[str, Any]] = {}

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ranklens.config import node_name
 
 __all__ = ["GpuReading", "GpuSampler", "RankResolver", "read_proc_environ"]
 
@@ -159,7 +160,7 @@ class GpuSampler:
         resolver: RankResolver | None = None,
     ) -> None:
         self._nvml: Any = nvml
-        self.host = host or socket.gethostname()
+        self.host = host or node_name()
         self.clock = clock
         self.resolver = resolver or RankResolver()
         self.available = False

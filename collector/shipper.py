@@ -30,13 +30,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ranklens.config import node_name
 from ranklens.errors import ConfigError, IngestError, StoreError
 from ranklens.ingest import read_jsonl
 from ranklens.schema import INGEST_ID, TABLES
@@ -175,7 +175,7 @@ class Shipper:
         self.spool_dir = Path(spool_dir)
         self.store = store
         self.max_segments = max_segments
-        self.host = host or socket.gethostname()
+        self.host = host or node_name()
         self.journal_path = (
             Path(journal) if journal else self.spool_dir / COLLECTOR_DIR / "state" / _safe(self.host) / "shipping.json"
         )

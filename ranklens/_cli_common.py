@@ -100,6 +100,13 @@ def agent_options(f: F) -> F:
                 default=None,
                 help="Log filter rules (TOML), replacing the config file's.",
             ),
+            click.option(
+                "--host",
+                envvar="RANKLENS_HOST",
+                default=None,
+                help="This node's name (env RANKLENS_HOST; default: the host name). The collector keeps its "
+                "state under it: on Kubernetes pass the node name, not the pod's.",
+            ),
             click.option("--nvml/--no-nvml", default=None, help="Sample GPUs through NVML (default: when available)."),
             click.option(
                 "--metrics-port",

@@ -602,6 +602,7 @@ def collect(
     metrics_addr: str | None,
     log_level: str,
     log_format: str,
+    host: str | None = None,
 ) -> None:
     """The per-node collector: ships rank spools into the store, every row exactly once (a segment
     is deleted only after the store has it; one the collector is unsure about is looked up before
@@ -621,6 +622,7 @@ def collect(
         metrics_port=metrics_port,
         metrics_addr=metrics_addr,
         ship_interval_s=interval,
+        host=host,
     )
     store = _open(store_url)
     if not follow:

@@ -10,12 +10,14 @@ __all__ = [
     "DEFAULT_STORE_DIR",
     "ENV_ATTEMPT",
     "ENV_DISABLE",
+    "ENV_HOST",
     "ENV_JOB_ID",
     "ENV_SPOOL",
     "ENV_STORE",
     "ENV_STORE_PASSWORD",
     "env_float",
     "env_int",
+    "node_name",
 ]
 
 ENV_STORE = "RANKLENS_STORE"
@@ -24,9 +26,19 @@ ENV_SPOOL = "RANKLENS_SPOOL"
 ENV_JOB_ID = "RANKLENS_JOB_ID"
 ENV_ATTEMPT = "RANKLENS_ATTEMPT"
 ENV_DISABLE = "RANKLENS_DISABLE"
+ENV_HOST = "RANKLENS_HOST"
 
 DEFAULT_STORE_DIR = "ranklens-store"
 DEFAULT_SPOOL_DIR = "/tmp/ranklens-spool"
+
+
+def node_name() -> str:
+    """This node's name as ranklens records it: ``$RANKLENS_HOST`` when set (on Kubernetes, the
+    node's name from the downward API, the same in the training pods and the node's collector),
+    else the host name."""
+    import socket
+
+    return os.environ.get(ENV_HOST, "").strip() or socket.gethostname()
 
 
 def env_int(name: str, default: int, *, minimum: int | None = None) -> int:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ranklens.config import node_name
 from ranklens.tracing.spool import SpoolWriter
 
 __all__ = ["Tracer"]
@@ -86,7 +86,7 @@ class Tracer:
         self._inflight: dict[tuple[str, int], dict[str, Any]] = {}
         self._phase_start = 0
         self._last_progress = 0
-        self._host = socket.gethostname()
+        self._host = node_name()
         self._pid_ns = pid_namespace()
         self._pg_names: dict[int, tuple[str, Any]] = {}
         self._interval = flush_interval_s
@@ -108,7 +108,7 @@ class Tracer:
             {
                 **self._ident,
                 "world_size": world_size,
-                "host": socket.gethostname(),
+                "host": self._host,
                 "local_rank": local_rank,
                 "pid": os.getpid(),
                 "started_ns": clock(),
@@ -157,7 +157,7 @@ class Tracer:
                         "drops",
                         {
                             "ts_ns": now,
-                            "host": socket.gethostname(),
+                            "host": self._host,
                             "job_id": self.job_id,
                             "rank": self.rank,
                             "component": "tracer",
