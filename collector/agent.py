@@ -266,7 +266,7 @@ class Agent:
         self.shipper = config.shipper(
             store,
             outbox=self.outbox,
-            on_segment=self.liveness.observe if self.liveness else None,
+            on_segment=self._on_segment,
             tracer=collector_tracer(otel_provider, host=self.host),
         )
         self.tailer: Tailer | None = None
@@ -380,6 +380,12 @@ class Agent:
         self.stop()
 
     # --- loops ----------------------------------------------------------------------------
+
+    def _on_segment(self, table: str, data: Any) -> None:
+        """Every segment on its way to the store: per-rank metrics and liveness."""
+        self.metrics.observe_rows(table, data)
+        if self.liveness is not None:
+            self.liveness.observe(table, data)
 
     def _on_write(self, table: str, rows: int) -> None:
         self.metrics.segments_written.labels(table).inc()

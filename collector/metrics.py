@@ -6,7 +6,9 @@ Names follow Prometheus conventions (base units, ``_total`` for counters, ``_byt
 global registry, so several agents (or tests) in one process do not collide.
 
 GPU gauges are produced at scrape time from the latest NVML reading (a custom collector), so a GPU
-that disappears stops being exported instead of freezing at its last value.
+that disappears stops being exported instead of freezing at its last value. Per-rank metrics
+(``ranklens_rank_*``: last step's duration, time blocked in collectives, newest heartbeat) come
+from the rows the collector ships for the ranks of its node.
 """
 
 from __future__ import annotations
@@ -88,6 +90,93 @@ class _GpuCollector(Collector):
         yield from (g_util, g_mem, g_memt, g_pow, g_temp, g_clk, g_thr, c_ecc, c_replay, c_nvl, g_pcie, g_nvl, g_rows)
 
 
+class _RankCollector(Collector):
+    """Per-rank training metrics from the rows the collector ships (the ranks of this node):
+    the last step's duration, steps, time blocked in collectives, and the newest heartbeat.
+    A rank not heard from for :data:`RANK_FORGET_S` stops being exported."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # (job_id, attempt, rank) -> state
+        self._ranks: dict[tuple[str, int, int], dict[str, float]] = {}
+
+    def _state(self, key: tuple[str, int, int]) -> dict[str, float]:
+        st = self._ranks.get(key)
+        if st is None:
+            st = self._ranks[key] = {
+                "step": -1.0, "step_s": math.nan, "steps": 0.0, "coll_s": 0.0, "colls": 0.0, "hb": math.nan,
+            }  # fmt: skip
+        st["seen"] = time.time()
+        return st
+
+    def observe(self, table_name: str, data: Any) -> None:
+        if table_name not in ("steps", "collectives", "heartbeats") or data.num_rows == 0:
+            return
+        import pyarrow.compute as pc
+
+        cols = {c: data.column(c).to_pylist() for c in ("job_id", "attempt", "rank")}
+        if table_name == "steps":
+            steps = data.column("step").to_pylist()
+            dur = pc.subtract(data.column("end_ns"), data.column("start_ns")).to_pylist()
+            with self._lock:
+                for j, a, r, n, d in zip(cols["job_id"], cols["attempt"], cols["rank"], steps, dur):
+                    st = self._state((j, a, r))
+                    st["steps"] += 1
+                    if n >= st["step"]:
+                        st["step"], st["step_s"] = float(n), d / 1e9
+        elif table_name == "collectives":
+            end, enter = data.column("end_ns"), data.column("enter_ns")
+            wait = pc.if_else(pc.greater(end, 0), pc.subtract(end, enter), 0).to_pylist()
+            done = pc.greater(end, 0).to_pylist()
+            with self._lock:
+                for j, a, r, w, ok in zip(cols["job_id"], cols["attempt"], cols["rank"], wait, done):
+                    if ok:
+                        st = self._state((j, a, r))
+                        st["colls"] += 1
+                        st["coll_s"] += max(0, w) / 1e9
+        else:
+            ts = data.column("ts_ns").to_pylist()
+            with self._lock:
+                for j, a, r, t in zip(cols["job_id"], cols["attempt"], cols["rank"], ts):
+                    st = self._state((j, a, r))
+                    st["hb"] = t / 1e9 if math.isnan(st["hb"]) else max(st["hb"], t / 1e9)
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["job_id", "attempt", "rank"]
+        g_step = GaugeMetricFamily(
+            f"{NS}_rank_step_duration_seconds", "duration of the rank's last step", labels=labels
+        )
+        g_last = GaugeMetricFamily(f"{NS}_rank_last_step", "the rank's last completed step", labels=labels)
+        c_steps = CounterMetricFamily(f"{NS}_rank_steps", "steps the rank completed (as shipped)", labels=labels)
+        c_wait = CounterMetricFamily(
+            f"{NS}_rank_collective_wait_seconds",
+            "time the rank spent inside collectives (arrival to completion): rate() is the share of time blocked",
+            labels=labels,
+        )
+        c_colls = CounterMetricFamily(f"{NS}_rank_collectives", "collectives the rank completed", labels=labels)
+        g_hb = GaugeMetricFamily(
+            f"{NS}_rank_heartbeat_timestamp_seconds", "time of the rank's newest heartbeat", labels=labels
+        )
+        now = time.time()
+        with self._lock:
+            for key in [k for k, st in self._ranks.items() if now - st["seen"] > RANK_FORGET_S]:
+                del self._ranks[key]
+            items = [(k, dict(st)) for k, st in self._ranks.items()]
+        for (j, a, r), st in items:
+            lv = [str(j), str(a), str(r)]
+            _add(g_step, lv, st["step_s"])
+            if st["step"] >= 0:
+                g_last.add_metric(lv, st["step"])
+            c_steps.add_metric(lv, st["steps"])
+            c_wait.add_metric(lv, st["coll_s"])
+            c_colls.add_metric(lv, st["colls"])
+            _add(g_hb, lv, st["hb"])
+        yield from (g_step, g_last, c_steps, c_wait, c_colls, g_hb)
+
+
+RANK_FORGET_S = 1800.0
+
+
 def _add(family: Any, labels: list[str], value: float, *, int_unknown: bool = False) -> None:
     if value is None or (isinstance(value, float) and math.isnan(value)) or (int_unknown and value < 0):
         return
@@ -162,6 +251,8 @@ class CollectorMetrics:
         self.log_files = Gauge(f"{p}_log_files", "log files being followed", registry=r)
         self._gpu = _GpuCollector()
         r.register(self._gpu)
+        self._ranks = _RankCollector()
+        r.register(self._ranks)
 
     def observe_filter(self, d: FilterStats) -> None:
         """Add a tailer commit's counters."""
@@ -188,6 +279,10 @@ class CollectorMetrics:
             self.spool_evicted_rows.labels(t).inc(n)
         for t, n in r.rows.items():
             self.rows_shipped.labels(t).inc(n)
+
+    def observe_rows(self, table_name: str, data: Any) -> None:
+        """Per-rank metrics from a batch of rows on their way to the store (the shipper's hook)."""
+        self._ranks.observe(table_name, data)
 
     def observe_gpus(self, samples: Sequence[Mapping[str, Any]], extras: Sequence[Mapping[str, float]]) -> None:
         """The latest GPU reading (what the GPU gauges show)."""

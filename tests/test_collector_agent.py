@@ -350,3 +350,40 @@ def test_shipping_loop_spans_when_asked(tmp_path, embedded_store):
     assert write.parent.span_id == spans["ranklens.ship_pass"].context.span_id
     assert write.attributes["ranklens.tables"] == ("collectives",) and write.attributes["ranklens.rows"] == 2
     assert Agent(_config(tmp_path, nvml=False, logs=()), store=embedded_store).shipper.tracer is None  # off by default
+
+
+def test_per_rank_step_time_and_collective_wait_from_a_real_job(tmp_path, embedded_store):
+    """A real 2-rank gloo job (rank 1 slowed 3x from step 0): the collector's /metrics shows per-rank
+    step time, time blocked in collectives (the fast rank waits for the slow one) and heartbeats."""
+    import socket as _socket
+
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spool = tmp_path / "spool"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "RANKLENS_SPOOL": str(spool), "RANKLENS_JOB_ID": "metrics-job", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    args = ["--steps", "12", "--compute-ms", "30", "--slow-rank", "1", "--slowdown", "3", "--slow-from-step", "0"]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "ranklens.demo.worker", *args], env={**env, "RANK": str(r)})
+        for r in range(2)
+    ]
+    assert [p.wait(120) for p in procs] == [0, 0]
+    agent = Agent(_config(tmp_path, nvml=False, logs=()), store=embedded_store)
+    agent.start()
+    try:
+        _wait(lambda: _metric(_scrape(agent.metrics_port), "ranklens_rank_steps_total", job_id="metrics-job",
+                              attempt=0, rank=1) == 12)  # fmt: skip
+        m = _scrape(agent.metrics_port)
+    finally:
+        agent.stop()
+
+    def v(name: str, rank: int) -> float:
+        return _metric(m, name, job_id="metrics-job", attempt=0, rank=rank)
+
+    assert v("ranklens_rank_steps_total", 0) == 12 and v("ranklens_rank_last_step", 1) == 11
+    assert 0.05 < v("ranklens_rank_step_duration_seconds", 0) < 2.0  # lock-step: both ranks take the slow pace
+    assert v("ranklens_rank_collectives_total", 0) > 0
+    # the fast rank waits for the slow one inside collectives: far more blocked time than the slow rank
+    assert v("ranklens_rank_collective_wait_seconds_total", 0) > 2 * v("ranklens_rank_collective_wait_seconds_total", 1)
+    assert abs(v("ranklens_rank_heartbeat_timestamp_seconds", 1) - time.time()) < 120

@@ -138,3 +138,26 @@ def test_gpu_to_rank_from_processes_and_cuda_visible_devices():
     assert [(r["job_id"], r["rank"]) for r in rows] == [("job-9", 0), ("job-9", 1)]
     assert RankResolver(envs.get, static={0: ("j", 7)}).resolve(0, "u", []) == ("j", 7)
     assert RankResolver(lambda pid: None).resolve(0, "u", [(1, 1)]) == ("", -1)
+
+
+def test_throughput_and_lifetime_health_counters_are_columns():
+    fake = fake_nvml.fake_nvml(1)
+    g = fake.gpus[0]
+    g.pcie_tx_kbps, g.pcie_rx_kbps = 1000, 250
+    g.ecc_aggregate = {0: 7, 1: 1}
+    g.remapped_rows = (3, 1, 0, 0)
+    g.retired_pages = {fake.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS: [1, 2],
+                       fake.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR: [9]}  # fmt: skip
+    tx, rx = fake.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, fake.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
+    g.nvlink_fields = {tx: 0, rx: 0}
+    s = _sampler(fake)
+    first = s.sample().samples[0]
+    assert math.isnan(first["nvlink_tx_bytes_per_s"])  # a rate needs two readings
+    g.nvlink_fields = {tx: 2_000_000, rx: 1_000_000}  # KiB, one (fake) second later
+    row = s.sample().samples[0]
+    assert (row["pcie_tx_bytes_per_s"], row["pcie_rx_bytes_per_s"]) == (1000 * 1024.0, 250 * 1024.0)
+    assert (row["ecc_corrected_aggregate"], row["ecc_uncorrected_aggregate"]) == (7, 1)
+    assert (row["remapped_rows_correctable"], row["remapped_rows_uncorrectable"]) == (3, 1)
+    assert (row["retired_pages_sbe"], row["retired_pages_dbe"]) == (2, 1)
+    assert (row["nvlink_tx_bytes_per_s"], row["nvlink_rx_bytes_per_s"]) == (2_000_000 * 1024.0, 1_000_000 * 1024.0)
+    assert to_arrow("gpu_samples", [row]).num_rows == 1
