@@ -387,3 +387,16 @@ def test_per_rank_step_time_and_collective_wait_from_a_real_job(tmp_path, embedd
     # the fast rank waits for the slow one inside collectives: far more blocked time than the slow rank
     assert v("ranklens_rank_collective_wait_seconds_total", 0) > 2 * v("ranklens_rank_collective_wait_seconds_total", 1)
     assert abs(v("ranklens_rank_heartbeat_timestamp_seconds", 1) - time.time()) < 120
+
+
+def test_the_documented_config_is_valid(tmp_path):
+    import re
+
+    text = (ROOT / "docs" / "collector.md").read_text()
+    block = re.search(r"```toml\n(.*?)```", text, re.S)
+    assert block, "docs/collector.md has no TOML example"
+    cfg = tmp_path / "collector.toml"
+    cfg.write_text(block.group(1))
+    c = load_config(cfg)
+    assert c.spool_max_bytes == 20 * 1024**3 and c.liveness_interval_s == 2.0 and c.metrics_port == 9400
+    assert c.rules is not None and "app_fatal" in c.rules.classes and c.logs[0].rank_of("/x/rank-12.log") == 12
