@@ -26,6 +26,8 @@ start)
   <default_database>default</default_database>
   <mark_cache_size>268435456</mark_cache_size>
   <max_concurrent_queries>100</max_concurrent_queries>
+  <!-- a one-shard "cluster" of this server: Distributed tables in the tests (no ZooKeeper needed) -->
+  <remote_servers><ranklens_self><shard><replica><host>127.0.0.1</host><port>$tcp</port></replica></shard></ranklens_self></remote_servers>
 </yandex>
 XML
   cat >"$dir/users.xml" <<XML

@@ -248,3 +248,40 @@ def test_collector_killed_mid_run_every_row_exactly_once(tmp_path, server_db_url
     assert "already stored" in logs[1].read_text(), logs[1].read_text()[-3000:]
     settled = sum(t.read_text().count("already stored") for t in logs)
     print(f"kill -9 x4 + restarts: {n} collective rows, {events} log events, exactly once ({settled} settle passes)")
+
+
+def test_partly_stored_segment_on_a_distributed_table(tmp_path, server_db_url):
+    """On a cluster the tables are Distributed: a partly stored segment is deleted from the local
+    table on every shard, then sent again (here a one-shard cluster of the test server,
+    `ranklens_self` in scripts/clickhouse.sh)."""
+    from ranklens.collector import Shipper
+    from ranklens.collector.shipper import _stamp, ingest_id_of
+    from ranklens.ingest import read_jsonl
+    from ranklens.store import open_store
+
+    store = open_store(server_db_url)
+    db = store.config.database
+    if not store.query("SELECT count() FROM system.clusters WHERE cluster = 'ranklens_self'").scalar():
+        msg = "the test server has no 'ranklens_self' cluster (start it with scripts/clickhouse.sh)"
+        if REQUIRE_SERVER:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    store._execute(f"RENAME TABLE {db}.collectives TO {db}.collectives_local")
+    store._execute(
+        f"CREATE TABLE {db}.collectives AS {db}.collectives_local "
+        f"ENGINE = Distributed('ranklens_self', '{db}', 'collectives_local', rand())"
+    )
+    spool = tmp_path / "spool"
+    rows = [{"job_id": "d", "rank": 0, "pg": "0", "seq": i, "op": "all_reduce", "enter_ns": 1} for i in range(6)]
+    seg = SpoolWriter(spool, "d", 0, 0).write("collectives", rows)
+    rel = seg.relative_to(spool).as_posix()
+    _, data = read_jsonl(seg)
+    store.write("collectives", _stamp(data.slice(0, 4), ingest_id_of(rel, seg.read_bytes())))  # half a batch
+    assert store.query(f"SELECT count() FROM {db}.collectives_local").scalar() == 4  # synchronous insert
+    sh = Shipper(spool, store)
+    sh.in_doubt.add(rel)
+    r = sh.ship_once()
+    assert r.ok and r.partial == 1 and r.rows == {"collectives": 6}, r
+    got = sorted(s for (s,) in store.query("SELECT seq FROM collectives").rows())
+    assert got == list(range(6))
+    store.close()

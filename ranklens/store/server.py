@@ -235,31 +235,86 @@ class ServerStore:
                 f"INSERT INTO {t.name} ({', '.join(t.column_names)}) VALUES",
                 columns,
                 columnar=True,
+                # a Distributed table (cluster) answers only once every shard has the rows, so an
+                # acknowledged batch is visible to the collector's "already stored?" question
+                settings={"insert_distributed_sync": 1},
             )
         return counts
 
     def discard_ingest(self, table_name: str, ingest_ids: Iterable[int], *, timeout_s: float = 300.0) -> None:
         """Delete the rows of the given ``ingest_id`` batches (a collector re-sending a batch the
-        server applied in part) and wait until the deletion (a mutation) has finished."""
+        server applied in part) and wait until the deletion (a mutation) has finished here.
+
+        On a cluster (the table is ``Distributed``), the rows are deleted from the local table on
+        one replica of every shard (the cluster's replication carries it to the other replicas)."""
         name = table(table_name).name
         ids = ", ".join(str(int(i)) for i in sorted(set(ingest_ids)))
         if not ids:
             return
-        self._execute(f"ALTER TABLE {name} DELETE WHERE ingest_id IN ({ids})")
-        deadline = time.monotonic() + timeout_s
         db = self.config.database
+        rows = self._execute(
+            f"SELECT engine, engine_full FROM system.tables WHERE database = '{db}' AND name = '{name}'"
+        )
+        if not (rows and rows[0][0] == "Distributed"):
+            self._mutate(self._execute, db, name, ids, timeout_s)
+            return
+        cluster, target_db, target = distributed_target(rows[0][1], db)
+        shards = self._execute(
+            "SELECT host_address, port FROM system.clusters "
+            f"WHERE cluster = '{cluster}' AND replica_num = 1 ORDER BY shard_num"
+        )
+        if not shards:
+            raise StoreError(f"{db}.{name} is Distributed over cluster {cluster!r}, which this server does not know")
+        for host, port in shards:  # one replica per shard: replication carries the mutation to the others
+            client = self._shard_client(str(host), int(port))
+            try:
+
+                def run(sql: str, _c: Any = client) -> Any:
+                    return _c.execute(sql)
+
+                self._mutate(run, target_db, target, ids, timeout_s)
+            except StoreError:
+                raise
+            except Exception as e:
+                raise StoreUnavailable(f"shard {host}:{port} of cluster {cluster!r}: {e}") from e
+            finally:
+                client.disconnect()
+
+    def _mutate(self, run: Any, db: str, name: str, ids: str, timeout_s: float) -> None:
+        """``ALTER TABLE … DELETE`` and wait for the mutation, through ``run(sql)``."""
+        run(f"ALTER TABLE {db}.{name} DELETE WHERE ingest_id IN ({ids})")
+        deadline = time.monotonic() + timeout_s
         while True:
-            left = self._execute(
+            left = run(
                 f"SELECT count() FROM system.mutations WHERE database = '{db}' AND table = '{name}' AND is_done = 0"
             )[0][0]
             if not left:
                 return
             if time.monotonic() > deadline:
                 raise StoreError(
-                    f"ClickHouse server {self.url}: deleting a partly stored batch from {name} did not finish "
+                    f"ClickHouse {self.url}: deleting a partly stored batch from {db}.{name} did not finish "
                     f"within {timeout_s:.0f} s (see system.mutations); the collector will try again"
                 )
             time.sleep(0.1)
+
+    def _shard_client(self, host: str, port: int) -> Any:
+        from clickhouse_driver import Client
+
+        cfg = self.config
+        kw: dict[str, Any] = {
+            "host": host,
+            "port": port,
+            "user": cfg.user,
+            "password": cfg.password,
+            "secure": cfg.secure,
+            "verify": cfg.verify,
+            "connect_timeout": cfg.connect_timeout_s,
+            "send_receive_timeout": cfg.send_receive_timeout_s,
+            "client_name": "ranklens",
+        }
+        if cfg.ca_certs:
+            kw["ca_certs"] = cfg.ca_certs
+        return Client(**kw)
 
     # -- reading ------------------------------------------------------------------------
     def query(self, sql: str) -> QueryResult:
@@ -285,6 +340,19 @@ class ServerStore:
 
     def __repr__(self) -> str:
         return f"ServerStore({self.url!r})"
+
+
+def distributed_target(engine_full: str, default_db: str) -> tuple[str, str, str]:
+    """(cluster, database, local table) of a ``Distributed(cluster, db, table[, key])`` engine."""
+    import re
+
+    m = re.match(r"\s*Distributed\(\s*'?([^',\s]+)'?\s*,\s*'?([^',\s]*)'?\s*,\s*'?([^',\s)]+)'?", engine_full)
+    if not m:
+        raise StoreError(f"cannot read the Distributed engine {engine_full!r}")
+    cluster, db, local = m.groups()
+    if db in ("", "currentDatabase()"):
+        db = default_db
+    return cluster, db, local
 
 
 def _arrow_type(ch_type: str) -> Any:
