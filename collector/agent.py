@@ -427,7 +427,18 @@ class Agent:
                     log.exception("ranklens collector: liveness check failed")
             if stopping:
                 return
-            stop.wait(self.config.ship_interval_s)
+            stop.wait(self._ship_delay())
+
+    def _ship_delay(self) -> float:
+        """The ship interval; while the store keeps failing, doubling up to a minute (with jitter,
+        so the collectors of a cluster do not all retry at once)."""
+        import random
+
+        base = self.config.ship_interval_s
+        k = self.shipper.failures
+        if not k:
+            return base
+        return max(base, min(60.0, base * 2.0 ** min(k, 16))) * random.uniform(0.8, 1.2)
 
     def _logs_loop(self, stop: threading.Event) -> None:
         tailer = self.tailer

@@ -191,6 +191,9 @@ class Shipper:
         self.spool_segments = 0
         self.spool_oldest: float | None = None  # mtime of the oldest file waiting
         self._writes = 0
+        self.failures = 0  # consecutive passes the store failed (the agent backs off on it)
+        self._failing_since: float | None = None
+        self._last_warn = -1e18
         self._fault = _parse_fault(os.environ.get(FAULT_ENV, ""))
 
     # --- the spool ----------------------------------------------------------------------
@@ -336,7 +339,7 @@ class Shipper:
                     settled = self._settle(doubtful, result)
             except StoreError as e:
                 result.error = str(e)
-                log.warning("ranklens collector: store unavailable, %d segment(s) kept for retry: %s", len(segments), e)
+                self._store_failed(e, len(segments))
                 return
             done.extend(settled)
             settled_ids = {id(s) for s in settled}
@@ -361,8 +364,9 @@ class Shipper:
                     self.totals[k] = self.totals.get(k, 0) + v
         except StoreError as e:
             result.error = str(e)
-            log.warning("ranklens collector: store unavailable, %d segment(s) kept for retry: %s", len(segments), e)
+            self._store_failed(e, len(segments))
             return
+        self._store_ok()
         done.extend(segments)
         for s in done:
             try:
@@ -420,6 +424,31 @@ class Shipper:
             for id_, n in res.rows():
                 found[int(id_)] = int(n)
         return found
+
+    def _store_failed(self, e: Exception, kept: int) -> None:
+        """Log a store failure: at once, then at most once a minute while it lasts."""
+        now = time.monotonic()
+        self.failures += 1
+        if self._failing_since is None:
+            self._failing_since = now
+        if now - self._last_warn >= 60.0 or self.failures == 1:
+            self._last_warn = now
+            log.warning(
+                "ranklens collector: store unavailable (%d failed pass(es) in %.0f s), %d segment(s) kept: %s",
+                self.failures,
+                now - self._failing_since,
+                kept,
+                e,
+            )
+
+    def _store_ok(self) -> None:
+        if self._failing_since is not None:
+            log.warning(
+                "ranklens collector: store available again after %.0f s (%d failed pass(es)); catching up",
+                time.monotonic() - self._failing_since,
+                self.failures,
+            )
+        self._failing_since, self.failures, self._last_warn = None, 0, -1e18
 
     def _maybe_fault(self) -> None:
         if self._fault and self._writes >= self._fault:
@@ -484,6 +513,7 @@ class Shipper:
                         self.totals[k] = self.totals.get(k, 0) + v
             except (StoreError, OSError) as e:
                 result.error = str(e)
+                self._store_failed(e, 1)
                 return
             trace.unlink(missing_ok=True)
             self._forget(rel)

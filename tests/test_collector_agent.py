@@ -400,3 +400,33 @@ def test_the_documented_config_is_valid(tmp_path):
     c = load_config(cfg)
     assert c.spool_max_bytes == 20 * 1024**3 and c.liveness_interval_s == 2.0 and c.metrics_port == 9400
     assert c.rules is not None and "app_fatal" in c.rules.classes and c.logs[0].rank_of("/x/rank-12.log") == 12
+
+
+def test_shipping_backs_off_while_the_store_is_down_and_logs_once(tmp_path, caplog):
+    from ranklens.errors import StoreUnavailable
+
+    class Down:
+        url, backend = "down://", "down"
+        calls = 0
+
+        def write_many(self, batches):
+            Down.calls += 1
+            raise StoreUnavailable("connection refused")
+
+        def query(self, sql):  # a segment in doubt is looked up first
+            Down.calls += 1
+            raise StoreUnavailable("connection refused")
+
+        def close(self):
+            pass
+
+    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW])
+    agent = Agent(_config(tmp_path, nvml=False, logs=(), metrics_port=None, ship_interval_s=0.05), store=Down())
+    with caplog.at_level("WARNING", logger="ranklens.collector"):
+        agent.start()
+        time.sleep(3.0)
+        agent.stop(timeout=5)
+    # without backoff: ~60 passes in 3 s; doubling from 50 ms: a handful
+    assert 2 <= Down.calls <= 9, Down.calls
+    assert agent.shipper.failures == Down.calls
+    assert sum("store unavailable" in r.getMessage() for r in caplog.records) == 1  # said once, not per pass
