@@ -16,7 +16,9 @@ Everything the agent produces goes to disk first (``<spool>/_collector/<host>/``
 that is down costs disk, never rows. :meth:`Agent.stop` flushes the producers, makes one last
 shipping pass and returns within its timeout.
 
-Configuration: keyword arguments (:class:`AgentConfig`) and one TOML file (:func:`load_config`)::
+Configuration: keyword arguments (:class:`AgentConfig`), ``RANKLENS_COLLECTOR_<KEY>`` variables
+for any ``[collector]`` key, and one TOML file (:func:`load_config`; arguments win over variables,
+variables over the file)::
 
     [collector]
     spool_dir = "/var/lib/ranklens/spool"   # env RANKLENS_SPOOL via the CLI
@@ -212,6 +214,7 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         rules = None
     if context_lines is not None:
         rules = dataclasses.replace(rules or RuleSet.builtin(), context_lines=int(context_lines))
+    section.update(env_overrides(os.environ))
     section.update({k: v for k, v in overrides.items() if v is not None})
     bad = set(section) - _COLLECTOR_KEYS
     if bad:
@@ -220,6 +223,45 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         return AgentConfig(logs=tuple(sources), rules=rules, **section)
     except TypeError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+ENV_PREFIX = "RANKLENS_COLLECTOR_"
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``[collector]`` keys from ``RANKLENS_COLLECTOR_<KEY>`` variables (e.g.
+    ``RANKLENS_COLLECTOR_SHIP_INTERVAL_S=0.5``), typed like the key. Raises ConfigError naming the
+    variable for an unknown key or a value of the wrong type."""
+    types = {f.name: f.type for f in dataclasses.fields(AgentConfig)}
+    out: dict[str, Any] = {}
+    for var, raw in environ.items():
+        if not var.startswith(ENV_PREFIX) or var == "RANKLENS_COLLECTOR_FAULT":
+            continue
+        key = var[len(ENV_PREFIX) :].lower()
+        if key not in _COLLECTOR_KEYS:
+            raise ConfigError(f"{var}: {key!r} is not a collector setting; allowed: {sorted(_COLLECTOR_KEYS)}")
+        kind = str(types[key])
+        value: Any = raw.strip()
+        try:
+            if kind.startswith("bool"):
+                if value.lower() in ("", "auto", "none"):
+                    value = None
+                elif value.lower() in ("1", "true", "yes", "on"):
+                    value = True
+                elif value.lower() in ("0", "false", "no", "off"):
+                    value = False
+                else:
+                    raise ValueError(value)
+            elif kind == "float":
+                value = float(value)
+            elif kind.startswith("int | None"):
+                value = int(value) if value else None
+            elif kind.startswith("int | str"):
+                value = int(value) if value.isdigit() else value
+        except ValueError:
+            raise ConfigError(f"{var}={raw!r}: expected a value of type {kind}") from None
+        out[key] = value
+    return out
 
 
 @dataclass

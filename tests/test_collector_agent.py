@@ -430,3 +430,24 @@ def test_shipping_backs_off_while_the_store_is_down_and_logs_once(tmp_path, capl
     assert 2 <= Down.calls <= 9, Down.calls
     assert agent.shipper.failures == Down.calls
     assert sum("store unavailable" in r.getMessage() for r in caplog.records) == 1  # said once, not per pass
+
+
+def test_env_overrides_any_collector_key(tmp_path, monkeypatch):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[collector]\nship_interval_s = 5\nnvml = true\nmetrics_port = 9400\n")
+    monkeypatch.setenv("RANKLENS_COLLECTOR_SHIP_INTERVAL_S", "0.5")
+    monkeypatch.setenv("RANKLENS_COLLECTOR_NVML", "false")
+    monkeypatch.setenv("RANKLENS_COLLECTOR_SPOOL_MAX_BYTES", "2GiB")
+    monkeypatch.setenv("RANKLENS_COLLECTOR_METRICS_PORT", "9500")
+    c = load_config(cfg, metrics_port=0)  # arguments win over the environment, the environment over the file
+    assert (c.ship_interval_s, c.nvml, c.spool_max_bytes, c.metrics_port) == (0.5, False, 2 * 1024**3, 0)
+    for var, value, needle in [
+        ("RANKLENS_COLLECTOR_SHIP_INTERVAL", "1", "not a collector setting"),
+        ("RANKLENS_COLLECTOR_COMMIT_INTERVAL_S", "soon", "expected a value of type float"),
+        ("RANKLENS_COLLECTOR_NVML", "maybe", "RANKLENS_COLLECTOR_NVML='maybe'"),
+    ]:
+        with monkeypatch.context() as m:
+            m.setenv(var, value)
+            with pytest.raises(ConfigError) as ei:
+                load_config(cfg)
+            assert needle in str(ei.value), str(ei.value)
