@@ -785,8 +785,29 @@ def run(store_url: str | None, spool_dir: str, job_id: str | None, no_collect: b
 @click.option("--target", type=click.Choice(["server", "cluster", "embedded"]), default="server", show_default=True)
 @click.option("--database", default="ranklens", show_default=True)
 @click.option("--cluster", default="ranklens", show_default=True, help="Cluster name (--target cluster).")
-def schema(target: str, database: str, cluster: str) -> None:
-    """Print the DDL of ranklens' tables for a ClickHouse server, a cluster, or the embedded store."""
+@click.option(
+    "--migrate",
+    is_flag=True,
+    help="Instead of printing DDL: bring the store (--store) of an older schema version up to this one, "
+    "keeping every row (new columns take their defaults).",
+)
+@_store_option
+@_errors
+def schema(target: str, database: str, cluster: str, migrate: bool, store_url: str | None) -> None:
+    """Print the DDL of ranklens' tables for a ClickHouse server, a cluster, or the embedded store;
+    or, with --migrate, upgrade a store made by an older ranklens."""
+    if migrate:
+        from ranklens.schema import SCHEMA_VERSION
+        from ranklens.store import default_store_url
+        from ranklens.store.migrate import migrate as run_migration
+
+        url = store_url or default_store_url()
+        done = run_migration(url)
+        for line in done:
+            click.echo(f"migrate: {line}", err=True)
+        tail = "" if done else " (nothing to do)"
+        click.echo(f"migrate: {url} is at schema version {SCHEMA_VERSION}{tail}", err=True)
+        return
     from ranklens.schema import TABLES, render_cluster_ddl, render_server_ddl
 
     if target == "server":

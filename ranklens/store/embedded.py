@@ -76,7 +76,7 @@ class EmbeddedStore:
 
     backend = "embedded"
 
-    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True, check_version: bool = True) -> None:
         self.root = Path(root).expanduser().resolve()
         self.url = f"embedded://{self.root}"
         self._db = "rl_" + hashlib.sha1(str(self.root).encode()).hexdigest()[:12]
@@ -91,7 +91,8 @@ class EmbeddedStore:
                     "run `ranklens demo` or `ranklens ingest` to create one, or pass the right --store"
                 )
             self._init_dir()
-        self._check_version()
+        if check_version:
+            self._check_version()
 
     # -- layout -------------------------------------------------------------------------
     def _init_dir(self) -> None:
@@ -120,10 +121,13 @@ class EmbeddedStore:
             raise StoreUnavailable(f"cannot read {self.root / 'meta.json'}: {e}") from e
         found = meta.get("schema_version")
         if found != SCHEMA_VERSION:
+            if isinstance(found, int) and found < SCHEMA_VERSION:
+                hint = f"upgrade it (every row is kept) with `ranklens schema --migrate --store {self.url}`"
+            else:
+                hint = "use a ranklens release of that schema version"
             raise SchemaVersionError(
                 f"the store at {self.root} has schema version {found}, this ranklens expects "
-                f"{SCHEMA_VERSION}; use a ranklens release of that schema version, or a new store "
-                "directory (--store embedded:///new/dir)"
+                f"{SCHEMA_VERSION}; {hint}, or a new store directory (--store embedded:///new/dir)"
             )
 
     def _write_json(self, name: str, obj: Any) -> None:

@@ -91,7 +91,7 @@ class ServerStore:
 
     backend = "server"
 
-    def __init__(self, config: ServerConfig, *, create: bool = True) -> None:
+    def __init__(self, config: ServerConfig, *, create: bool = True, check_version: bool = True) -> None:
         try:
             import clickhouse_driver  # noqa: F401
         except ImportError as e:  # pragma: no cover
@@ -104,7 +104,8 @@ class ServerStore:
         try:
             if create:
                 self.create_schema()
-            self._check_version()
+            if check_version:
+                self._check_version()
         except BaseException:
             self.close()
             raise
@@ -206,10 +207,16 @@ class ServerStore:
             ) from e
         found = rows[0][0] if rows else ""
         if found != str(SCHEMA_VERSION):
+            older = found.isdigit() and int(found) < SCHEMA_VERSION
+            hint = (
+                f"upgrade it (every row is kept) with `ranklens schema --migrate --store {self.url}`"
+                if older
+                else "use a matching ranklens release"
+            )
             raise SchemaVersionError(
                 f"database {self.config.database} on {self.url} has ranklens schema version "
-                f"{found or 'none'}, this ranklens expects {SCHEMA_VERSION}; use a matching ranklens "
-                "release or another database (…/other_db in the store URL)"
+                f"{found or 'none'}, this ranklens expects {SCHEMA_VERSION}; {hint}, or another database "
+                "(…/other_db in the store URL)"
             )
 
     # -- writing ------------------------------------------------------------------------
