@@ -153,7 +153,7 @@ class Shipper:
         journal: the delivery journal's path (default ``<spool>/_collector/state/<host>/shipping.json``).
         budget: disk budget of the spool (default :class:`SpoolBudget`; None: unbounded).
         outbox: where drop records are written (default: the collector's outbox for ``host``).
-        on_segment: called with (table, Arrow rows) for every segment read (the liveness watcher).
+        on_segment: called with (table, Arrow rows) once per segment read (metrics, liveness).
         tracer: an OpenTelemetry tracer: a span per pass, a child span per store call (off: None).
     """
 
@@ -184,6 +184,7 @@ class Shipper:
         self.on_segment = on_segment
         self.tracer = tracer  # OpenTelemetry tracer of the shipping loop (None: not traced)
         self.totals: dict[str, int] = {}
+        self._observed: set[str] = set()  # segments already shown to on_segment
         self.in_doubt: set[str] = self._load_journal()
         self._journaled: set[str] = set(self.in_doubt)
         self._last_budget_check = -1e18
@@ -268,6 +269,7 @@ class Shipper:
 
     def _forget(self, rel: str) -> None:
         self.in_doubt.discard(rel)
+        self._observed.discard(rel)
 
     # --- one pass -------------------------------------------------------------------------
 
@@ -313,7 +315,8 @@ class Shipper:
                 self._forget(rel)
                 continue  # another collector took it
             segments.append(_Segment(seg, rel, name, data, ingest_id_of(rel, content)))
-            if self.on_segment is not None:
+            if self.on_segment is not None and rel not in self._observed:  # once, not per retry
+                self._observed.add(rel)
                 try:
                     self.on_segment(name, data)
                 except Exception:
