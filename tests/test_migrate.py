@@ -66,7 +66,8 @@ def test_server_store_of_version_4_is_migrated_keeping_every_row(server_db_url):
     assert any("heartbeats: ADD COLUMN pid_ns Int64 DEFAULT 0 AFTER host" in d for d in done), done
     assert done[-1].endswith(f"schema version 4 -> {SCHEMA_VERSION}")
     store = open_store(server_db_url)
-    assert store.query("SELECT count(), sum(end_ns), max(ingest_id) FROM collectives").rows() == [(6, 2 * (0 + 10 + 20) + 6 * 9, 0)]
+    got = store.query("SELECT count(), sum(end_ns), max(ingest_id) FROM collectives").rows()
+    assert got == [(6, 2 * (0 + 10 + 20) + 6 * 9, 0)]
     (g,) = store.query("SELECT util_pct, retired_pages_sbe, pcie_tx_bytes_per_s FROM gpu_samples").rows()
     assert g[:2] == (50.0, -1) and math.isnan(g[2])
     # what this version writes fits the migrated tables
