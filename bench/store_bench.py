@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from ranklens.analyzers import find_stragglers
 from ranklens.analyzers.blame import compute_blame
-from ranklens.records import arrow_schema
+from ranklens.records import arrow_schema, arrow_table
 from ranklens.store import open_store
 
 T0 = 1_790_000_000_000_000_000
@@ -41,7 +41,7 @@ def synthetic(rows: int, ranks: int = 64, per_step: int = 16, slow_rank: int = 1
     enter[:, slow_rank] += np.where(seq % per_step == 0, 30_000_000, 0)  # 30 ms late once per step
     end = enter.max(axis=1) + 500_000
     r = np.tile(np.arange(ranks, dtype=np.int32), n_coll)
-    coll = pa.table(
+    coll = arrow_table(
         {
             "job_id": pa.array(["bench"] * (n_coll * ranks)),
             "attempt": pa.array(np.zeros(n_coll * ranks, np.int32)),
@@ -62,7 +62,7 @@ def synthetic(rows: int, ranks: int = 64, per_step: int = 16, slow_rank: int = 1
         schema=arrow_schema("collectives"),
     )
     st = np.arange(steps)
-    steps_t = pa.table(
+    steps_t = arrow_table(
         {
             "job_id": ["bench"] * (steps * ranks),
             "attempt": np.zeros(steps * ranks, np.int32),

@@ -317,7 +317,7 @@ class Engine:
     def _collectives(self, s0: int) -> pa.Table:
         import pyarrow as pa
 
-        from ranklens.records import arrow_schema
+        from ranklens.records import arrow_schema, arrow_table
 
         counts = np.asarray(self._c_n, dtype=np.int64)
         meta = np.asarray(self._c_meta, dtype=np.int64).reshape(-1, 4)
@@ -346,12 +346,12 @@ class Engine:
             "clock": _const("cuda", n),
             "async_op": pa.array(np.zeros(n, np.uint8)),
         }
-        return pa.table(cols, schema=arrow_schema("collectives"))
+        return arrow_table(cols, schema=arrow_schema("collectives"))
 
     def _phases(self, s0: int, s1: int) -> pa.Table:
         import pyarrow as pa
 
-        from ranklens.records import arrow_schema
+        from ranklens.records import arrow_schema, arrow_table
 
         marks = np.stack(self._marks)  # (S, 5, R)
         S, R, NP = s1 - s0, self.R, len(PHASES)
@@ -370,12 +370,12 @@ class Engine:
             "start_ns": pa.array(start),
             "end_ns": pa.array(end),
         }
-        return pa.table(cols, schema=arrow_schema("phases"))
+        return arrow_table(cols, schema=arrow_schema("phases"))
 
     def _steps(self, s0: int, s1: int) -> pa.Table:
         import pyarrow as pa
 
-        from ranklens.records import arrow_schema
+        from ranklens.records import arrow_schema, arrow_table
 
         marks = np.stack(self._marks)
         S, R, p = s1 - s0, self.R, self.params
@@ -399,13 +399,13 @@ class Engine:
             "loss": pa.array(loss),
             "grad_norm": pa.array(np.full(n, np.nan)),
         }
-        return pa.table(cols, schema=arrow_schema("steps"))
+        return arrow_table(cols, schema=arrow_schema("steps"))
 
     def static_tables(self) -> dict[str, pa.Table]:
         """The ``ranks`` and ``process_groups`` tables of the job."""
         import pyarrow as pa
 
-        from ranklens.records import arrow_schema
+        from ranklens.records import arrow_schema, arrow_table
 
         L, R = self.layout, self.R
         ranks = np.arange(R, dtype=np.int32)
@@ -428,7 +428,7 @@ class Engine:
             "dp": pa.array((ranks // L.tp) % L.dp),
             "started_ns": pa.array(started.astype(np.int64)),
         }
-        ranks_t = pa.table(cols, schema=arrow_schema("ranks"))
+        ranks_t = arrow_table(cols, schema=arrow_schema("ranks"))
         G = len(self.groups)
         sizes = np.array([m.size for _, m in self.groups], dtype=np.int32)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
@@ -442,7 +442,7 @@ class Engine:
             "ranks": members,
             "created_ns": pa.array(np.full(G, self.start_ns - 20_000_000_000, np.int64)),
         }
-        return {"ranks": ranks_t, "process_groups": pa.table(pg_cols, schema=arrow_schema("process_groups"))}
+        return {"ranks": ranks_t, "process_groups": arrow_table(pg_cols, schema=arrow_schema("process_groups"))}
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:

@@ -132,6 +132,29 @@ def arrow_schema(table_name: str) -> pa.Schema:
     )
 
 
+def arrow_table(data: Mapping[str, Any] | list[Mapping[str, Any]], *, schema: pa.Schema) -> pa.Table:
+    """``pa.table(data, schema=schema)`` for a ranklens table's schema, where the optional columns
+    ``data`` lacks take their defaults (so columns added to the schema later do not break callers
+    that build columns directly). ``data``: columns (name -> array) or rows (dicts)."""
+    import pyarrow as pa
+
+    name = schema.metadata[b"ranklens.table"].decode()
+    t = table(name)
+    if isinstance(data, list):
+        rows = [dict(r) for r in data]
+        for c in t.columns:
+            if not c.required:
+                for r in rows:
+                    r.setdefault(c.name, c.default_value())
+        return pa.Table.from_pylist(rows, schema=schema)
+    cols = dict(data)
+    n = len(next(iter(cols.values()))) if cols else 0
+    for c in t.columns:
+        if c.name not in cols and not c.required:
+            cols[c.name] = pa.array([c.default_value()] * n, type=arrow_type(c))
+    return pa.table(cols, schema=schema)
+
+
 def empty_arrow(table_name: str) -> pa.Table:
     return arrow_schema(table_name).empty_table()
 

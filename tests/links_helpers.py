@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from ranklens.records import arrow_schema
+from ranklens.records import arrow_schema, arrow_table
 
 T0 = 1_790_000_000_000_000_000  # an epoch in 2026, ns
 
@@ -158,7 +158,7 @@ def simulate(s: SimSpec) -> dict[str, pa.Table]:
             t = float(end.max())
         step_rows.append((step, step_start, t))
     n = sum(len(x) for x in cols["rank"])
-    coll = pa.table(
+    coll = arrow_table(
         {
             "job_id": pa.array(np.full(n, s.job_id, dtype=object)),
             "attempt": pa.array(np.zeros(n, np.int32)),
@@ -182,7 +182,7 @@ def simulate(s: SimSpec) -> dict[str, pa.Table]:
     starts = np.array([r[1] for r in step_rows]).astype(np.int64)
     ends = np.array([r[2] for r in step_rows]).astype(np.int64)
     k = len(st)
-    steps = pa.table(
+    steps = arrow_table(
         {
             "job_id": pa.array(np.full(k * world, s.job_id, dtype=object)),
             "attempt": pa.array(np.zeros(k * world, np.int32)),
@@ -197,7 +197,7 @@ def simulate(s: SimSpec) -> dict[str, pa.Table]:
         },
         schema=arrow_schema("steps"),
     )
-    ranks = pa.Table.from_pylist(
+    ranks = arrow_table(
         [
             {
                 "job_id": s.job_id,
@@ -221,7 +221,7 @@ def simulate(s: SimSpec) -> dict[str, pa.Table]:
     pgs = [("0", list(range(world)), "default_pg")] + [
         (pg, members, kind) for kind in ("tp", "dp") for pg, members in groups[kind]
     ]
-    process_groups = pa.Table.from_pylist(
+    process_groups = arrow_table(
         [
             {"job_id": s.job_id, "attempt": 0, "pg": pg, "name": name, "backend": "sim", "ranks": r, "created_ns": T0}
             for pg, r, name in pgs
