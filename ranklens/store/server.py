@@ -115,24 +115,8 @@ class ServerStore:
         key = "client_db" if database else "client_nodb"
         c = getattr(self._local, key, None)
         if c is None:
-            from clickhouse_driver import Client
-
             cfg = self.config
-            kw: dict[str, Any] = {
-                "host": cfg.host,
-                "port": cfg.port,
-                "user": cfg.user,
-                "password": cfg.password,
-                "database": cfg.database if database else "default",
-                "secure": cfg.secure,
-                "verify": cfg.verify,
-                "connect_timeout": cfg.connect_timeout_s,
-                "send_receive_timeout": cfg.send_receive_timeout_s,
-                "client_name": "ranklens",
-            }
-            if cfg.ca_certs:
-                kw["ca_certs"] = cfg.ca_certs
-            c = Client(**kw)
+            c = self._new_client(cfg.host, cfg.port, cfg.database if database else "default")
             setattr(self._local, key, c)
             with self._clients_lock:
                 self._clients.append(c)
@@ -273,7 +257,7 @@ class ServerStore:
         if not shards:
             raise StoreError(f"{db}.{name} is Distributed over cluster {cluster!r}, which this server does not know")
         for host, port in shards:  # one replica per shard: replication carries the mutation to the others
-            client = self._shard_client(str(host), int(port))
+            client = self._new_client(str(host), int(port))
             try:
 
                 def run(sql: str, _c: Any = client) -> Any:
@@ -304,7 +288,8 @@ class ServerStore:
                 )
             time.sleep(0.1)
 
-    def _shard_client(self, host: str, port: int) -> Any:
+    def _new_client(self, host: str, port: int, database: str = "default") -> Any:
+        """A clickhouse-driver client with this store's credentials and TLS settings."""
         from clickhouse_driver import Client
 
         cfg = self.config
@@ -313,6 +298,7 @@ class ServerStore:
             "port": port,
             "user": cfg.user,
             "password": cfg.password,
+            "database": database,
             "secure": cfg.secure,
             "verify": cfg.verify,
             "connect_timeout": cfg.connect_timeout_s,
