@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -354,3 +355,45 @@ def test_rank_coordinates_reach_the_ranks_table(tmp_path):
     rlt.shutdown()
     (row,) = _segments(tmp_path, "ranks")
     assert (row["pp"], row["tp"], row["dp"]) == (1, 1, 2)
+
+
+def test_watched_works_registered_while_the_watcher_checks_are_never_lost(tmp_path):
+    """Async p2p works (gloo isend/irecv have no future) are completed by a watcher thread; works
+    registered from other threads while it checks must all end up recorded."""
+    import threading
+
+    t = Tracer(job_id="j", attempt=0, rank=0, world_size=1, spool_dir=str(tmp_path), flush_interval_s=60)
+
+    class Work:
+        def __init__(self) -> None:
+            self.done = False
+
+        def is_completed(self) -> bool:
+            return self.done
+
+    works = []
+
+    def register(k: int) -> None:
+        for i in range(k):
+            w = Work()
+            works.append(w)
+            t.watch(w, t.collective_entered(f"p2p-{threading.get_ident()}", i, "isend", 4, "f32", 1, True))
+            w.done = i % 3 != 0  # most complete at once, some later
+            if i % 50 == 0:
+                time.sleep(0.0005)  # let the watcher interleave
+
+    threads = [threading.Thread(target=register, args=(3000,)) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for w in works:
+        w.done = True
+    deadline = time.monotonic() + 20
+    while (t._pending or t._inflight) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not t._inflight, f"{len(t._inflight)} completed works never recorded"
+    with t._buf_lock:
+        rows = [r for table_name, r in t._buf if table_name == "collectives"]
+    assert len(rows) == 9000 and all(r["end_ns"] > 0 for r in rows)
+    t.shutdown()

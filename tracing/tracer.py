@@ -451,7 +451,9 @@ class Tracer:
             with self._pending_cv:
                 while not self._pending and not self._stop.is_set():
                     self._pending_cv.wait(0.5)
-                pending = self._pending
+                # take the list: watch() appends to a new one meanwhile (appending to the list being
+                # checked lost a row registered between the check and the merge below)
+                pending, self._pending = self._pending, []
             still = []
             for work, row in pending:
                 try:
@@ -462,8 +464,7 @@ class Tracer:
                 except Exception:
                     self._drops["collectives:watch_error"] += 1
             with self._pending_cv:
-                new = self._pending[len(pending) :]
-                self._pending = still + new
+                self._pending = still + self._pending
             time.sleep(0.001)
 
     def count_drop(self, what: str, n: int = 1) -> None:
