@@ -105,7 +105,7 @@ def agent_cost(store) -> None:
     c0, t0 = cpu_s(), time.perf_counter()
     time.sleep(10)
     idle = (cpu_s() - c0) / (time.perf_counter() - t0)
-    print(f"agent idle: {100 * idle:.2f}% of one core, RSS {rss_mb():,.0f} MiB (this process, chDB included)")
+    print(f"agent idle: {100 * idle:.2f}% of one core, RSS {rss_mb():,.0f} MiB")
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",

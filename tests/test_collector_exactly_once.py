@@ -208,7 +208,8 @@ def test_server_stopped_mid_run_every_row_exactly_once(tmp_path, own_server):
     assert "store unavailable" in text  # the outage happened mid-run and was seen
     print(
         f"server stop/start: {n} collective rows ({before} before the stop), {events} log events, exactly once; "
-        f"{text.count('store unavailable')} failed passes, {text.count('already stored')} settle passes"
+        f"outage logged {text.count('store unavailable')}x, back {text.count('available again')}x, "
+        f"{text.count('already stored')} settle passes"
     )
 
 
