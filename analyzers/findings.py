@@ -12,7 +12,16 @@ from typing import Any
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
-__all__ = ["Finding", "Severity", "Suspect", "finding_id", "latest_findings", "save_findings"]
+__all__ = [
+    "Finding",
+    "Severity",
+    "Suspect",
+    "finding_from_row",
+    "finding_id",
+    "latest_findings",
+    "load_finding",
+    "save_findings",
+]
 
 
 class Severity(str, Enum):
@@ -84,7 +93,7 @@ class Finding:
             "suspect_ranks": [s.rank for s in self.suspects],
             "suspect_hosts": sorted({s.node for s in self.suspects if s.node}),
             "suspect_gpus": [s.gpu for s in self.suspects if s.gpu],
-            "suspect_links": [],
+            "suspect_links": sorted({"<->".join(s.link) for s in self.suspects if s.link}),
             "first_seen_step": self.first_seen_step,
             "last_seen_step": self.last_seen_step,
             "first_seen_ns": self.first_seen_ns,
@@ -97,6 +106,60 @@ class Finding:
             "detector": self.detector,
             "updated_ns": self.updated_ns,
         }
+
+
+def finding_from_row(row: dict[str, Any]) -> Finding:
+    """A :class:`Finding` back from a ``findings`` row (the newest version of an id). Suspects keep
+    their rank; a rank's node is known when the finding names one node per rank or one node."""
+    ranks = [int(r) for r in row.get("suspect_ranks") or []]
+    hosts = [str(h) for h in row.get("suspect_hosts") or []]
+    links = [tuple(str(x).split("<->")) for x in row.get("suspect_links") or []]
+    if len(hosts) == len(ranks):
+        nodes = hosts
+    else:
+        nodes = [hosts[0] if len(hosts) == 1 else ""] * len(ranks)
+    suspects = [Suspect(rank=r, node=n, link=links[0] if len(links) == 1 else ()) for r, n in zip(ranks, nodes)]
+    try:
+        evidence = json.loads(row.get("evidence") or "{}")
+    except ValueError:
+        evidence = {"raw": row.get("evidence")}
+    return Finding(
+        id=str(row["id"]),
+        job_id=str(row["job_id"]),
+        attempt=int(row.get("attempt") or 0),
+        kind=str(row["kind"]),
+        severity=Severity(str(row.get("severity") or "warning")),
+        confidence=float(row.get("confidence") or 0.0),
+        title=str(row.get("title") or ""),
+        suspects=tuple(suspects),
+        first_seen_step=int(row.get("first_seen_step", -1)),
+        last_seen_step=int(row.get("last_seen_step", -1)),
+        first_seen_ns=int(row.get("first_seen_ns") or 0),
+        last_seen_ns=int(row.get("last_seen_ns") or 0),
+        impact_s=float(row.get("impact_s") or 0.0),
+        impact_gpu_s=float(row.get("impact_gpu_s") or 0.0),
+        step_time_pct=float(row.get("step_time_pct") or 0.0),
+        evidence=evidence,
+        state=str(row.get("state") or "open"),
+        detector=str(row.get("detector") or ""),
+    )
+
+
+def load_finding(store: Store, finding_id: str) -> Finding | None:
+    """The newest version of the finding whose id is (or starts with) ``finding_id``; None if none.
+    Raises ValueError when a prefix matches several findings."""
+    from ranklens.schema import TABLES
+
+    cols = [c for c in TABLES["findings"].column_names if c not in ("id", "updated_ns", "ingest_id")]
+    latest = ", ".join(f"argMax({c}, updated_ns) AS latest_{c}" for c in cols)
+    r = store.query(
+        f"SELECT id, {latest} FROM findings WHERE startsWith(id, '{_esc(finding_id)}') GROUP BY id ORDER BY id LIMIT 2"
+    ).to_pylist()
+    if not r:
+        return None
+    if len(r) > 1:
+        raise ValueError(f"finding id {finding_id!r} is ambiguous: {r[0]['id']}, {r[1]['id']}, ...")
+    return finding_from_row({k.removeprefix("latest_"): v for k, v in r[0].items()})
 
 
 def save_findings(store: Store, findings: list[Finding]) -> int:

@@ -826,6 +826,10 @@ from ranklens.simulate_cli import simulate_command  # noqa: E402 - registered be
 
 cli.add_command(simulate_command, "simulate")
 
+from ranklens.probe_cli import probe_command  # noqa: E402
+
+cli.add_command(probe_command, "probe")
+
 
 def main() -> None:
     import logging

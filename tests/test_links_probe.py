@@ -115,3 +115,80 @@ def test_public_names():
     ):
         for name in mod.__all__:
             assert getattr(mod, name).__doc__ or not callable(getattr(mod, name)), f"{mod.__name__}.{name}"
+
+
+def test_probe_cli_plans_from_a_stored_finding_runs_and_attaches(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from ranklens.analyzers.findings import load_finding, save_findings
+    from ranklens.cli import cli
+    from ranklens.store import open_store
+
+    url = f"embedded://{tmp_path / 'store'}"
+    store = open_store(url)
+    store.write("ranks", [{"job_id": "j", "rank": r, "host": f"node{r // 2}", "world_size": 8} for r in range(8)])
+    f = _finding("node", ["node3"])
+    save_findings(store, [f])
+    runner = CliRunner()
+    r = runner.invoke(cli, ["probe", "--store", url, "--finding", f.id[:6], "--bytes", "1MiB", "--iters", "2",
+                            "--attach", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    pairs = sorted({(x["src"], x["dst"], x["role"]) for x in report["results"]})
+    assert pairs == [("node0", "node3", "suspect"), ("node1", "node2", "reference"),
+                     ("node2", "node1", "reference"), ("node3", "node0", "suspect")]  # fmt: skip
+    assert all(x["bandwidth_MBps"] > 1 for x in report["results"])
+    # all four "nodes" are this machine: the link is not slower than the reference, so not confirmed
+    got = load_finding(store, f.id)
+    assert got is not None and got.evidence["probe"]["confirmed"] is False
+    assert "probe did not confirm" in got.title and got.confidence == pytest.approx(0.4)
+    assert got.evidence["nodes"] == ["node3"]  # the original evidence is kept
+
+
+def test_probe_cli_pairs_and_errors(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from ranklens.cli import cli
+
+    runner = CliRunner()
+    r = runner.invoke(
+        cli, ["probe", "--pair", "a:b", "--reference", "c:d", "--bytes", "1MiB", "--iters", "2", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)["results"]) == 4
+    url = f"embedded://{tmp_path / 'store'}"
+    for args, code, needle in [
+        ([], 2, "give --finding ID or at least one --pair"),
+        (["--pair", "a-b"], 2, "a pair is NODE_A:NODE_B"),
+        (["--pair", "a:a"], 2, "two different nodes"),
+        (["--pair", "a:b", "--launcher", "rsh"], 2, "template with {node}"),
+        (["--pair", "a:b", "--attach"], 2, "--attach needs --finding"),
+        (["--store", url, "--finding", "nope"], 4, "no ranklens store"),
+    ]:
+        r = runner.invoke(cli, ["probe", *args])
+        assert r.exit_code == code and needle in r.output, (args, r.exit_code, r.output)
+    from ranklens.store import open_store
+
+    open_store(url)
+    r = runner.invoke(cli, ["probe", "--store", url, "--finding", "nope"])
+    assert r.exit_code == 8 and "no finding 'nope'" in r.output
+
+
+def test_findings_round_trip_through_the_store_with_their_links(embedded_store):
+    from ranklens.analyzers.findings import load_finding, save_findings
+
+    f = _finding("node", ["node3"])
+    f = Finding(**{**f.__dict__, "suspects": (Suspect(rank=6, node="node3", link=("node3", "network")),
+                                             Suspect(rank=7, node="node3", link=("node3", "network")))})  # fmt: skip
+    save_findings(embedded_store, [f])
+    assert embedded_store.query("SELECT suspect_links FROM findings").rows() == [(["node3<->network"],)]
+    got = load_finding(embedded_store, f.id)
+    assert got is not None and [(s.rank, s.node, s.link) for s in got.suspects] == [
+        (6, "node3", ("node3", "network")),
+        (7, "node3", ("node3", "network")),
+    ]
+    assert (got.kind, got.severity, got.confidence, got.evidence) == (f.kind, f.severity, f.confidence, f.evidence)
