@@ -22,4 +22,5 @@ pages = [
 page = st.navigation(pages)
 st.sidebar.title("ranklens")
 ui.select_job()
+ui.auto_refresh()
 page.run()

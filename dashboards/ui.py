@@ -136,6 +136,50 @@ def select_job() -> Context | None:
     return ctx
 
 
+REFRESH_EVERY_S = (0, 5, 10, 30, 60)
+_REFRESH_KEY = "ranklens_refresh"
+_LAST_RUN_KEY = "_ranklens_last_full_run"
+_tickers: dict[int, Callable[[], None]] = {}
+
+
+def _ticker(every: int) -> Callable[[], None]:
+    """A fragment that Streamlit reruns every ``every`` seconds; when it fires (and not as part of
+    a full run that just happened), it reruns the whole page."""
+    tick = _tickers.get(every)
+    if tick is None:
+
+        def _tick() -> None:
+            if time.monotonic() - st.session_state.get(_LAST_RUN_KEY, 0.0) >= every * 0.9:
+                st.rerun(scope="app")
+
+        tick = _tickers[every] = st.fragment(run_every=every)(_tick)
+    return tick
+
+
+def auto_refresh() -> int:
+    """The sidebar's auto-refresh control: rerun the page every N seconds while a job runs
+    (``?refresh=N`` in the URL preselects it; queries are cached for ``TTL_S`` seconds). Returns N
+    (0: off)."""
+    options = list(REFRESH_EVERY_S)
+    wanted = qp_int("refresh", 0)
+    if wanted >= 2 and wanted not in options:
+        options = sorted({*options, wanted})
+    if st.session_state.get(_REFRESH_KEY) not in options:
+        st.session_state[_REFRESH_KEY] = wanted if wanted in options else 0
+    every = st.sidebar.selectbox(
+        "Auto-refresh",
+        options,
+        key=_REFRESH_KEY,
+        format_func=lambda s: "off" if not s else f"every {s} s",
+        help=f"rerun this page periodically (query results are at most {q.TTL_S:.0f} s old)",
+    )
+    st.session_state[_LAST_RUN_KEY] = time.monotonic()
+    if every:
+        with st.sidebar:
+            _ticker(int(every))()
+    return int(every)
+
+
 def context() -> Context:
     """The selected job of this session; stops the page (with a note) when there is none."""
     ctx = st.session_state.get(_CTX_KEY)

@@ -187,3 +187,44 @@ def test_every_page_renders_its_charts(chromium_path, server, jobs):
                 problems.append(f"{path}: blank page")
             assert shot.stat().st_size > 10_000, f"{path}: screenshot looks empty"
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(300)
+def test_auto_refresh_shows_new_data_without_a_reload(chromium_path, server, jobs):
+    """?refresh=5: steps written to the store while the page is open appear on it by themselves."""
+    import re
+
+    from ranklens.store import open_store
+
+    hung = jobs["hung"]
+    url = f"{server}/overview?{urllib.parse.urlencode({'job': hung.job_id, 'refresh': 5})}"
+
+    def caption(browser: Chromium) -> str:
+        m = re.search(r"steps (\d+)-(\d+)", browser.evaluate("document.body.innerText"))
+        return m.group(0) if m else ""
+
+    with Chromium(chromium_path, width=1400, height=1200) as browser:
+        _load(browser, url, "Overview", 0)
+        before = caption(browser)
+        assert before, "the sidebar shows no step range"
+        last = int(before.rsplit("-", 1)[1])
+        store = open_store(jobs["url"])
+        rows = [
+            {
+                "job_id": hung.job_id,
+                "rank": r,
+                "step": last + k,
+                "start_ns": hung.last_ns + k,
+                "end_ns": hung.last_ns + k + 1,
+            }
+            for k in (1, 2, 3)
+            for r in range(16)
+        ]
+        store.write("steps", rows)
+        want = f"steps {before.split(' ')[1].split('-')[0]}-{last + 3}"
+        deadline = time.monotonic() + 60  # query cache (10 s) + refresh period (5 s) + a page run
+        got = before
+        while time.monotonic() < deadline and got != want:
+            time.sleep(1.0)
+            got = caption(browser)
+        assert got == want, f"the page still shows {got!r} (wanted {want!r}) without a reload"
