@@ -397,3 +397,63 @@ def test_watched_works_registered_while_the_watcher_checks_are_never_lost(tmp_pa
         rows = [r for table_name, r in t._buf if table_name == "collectives"]
     assert len(rows) == 9000 and all(r["end_ns"] > 0 for r in rows)
     t.shutdown()
+
+
+@pytest.mark.e2e
+def test_device_mesh_gives_each_rank_its_coordinates(tmp_path, embedded_store):
+    world = 8
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(world),
+        "RANKLENS_SPOOL": str(tmp_path / "spool"),
+        "RANKLENS_JOB_ID": "mesh-test",
+        "OMP_NUM_THREADS": "1",
+    }
+    script = Path(__file__).with_name("mesh_job.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    Shipper(tmp_path / "spool", embedded_store).ship_once()
+    got = embedded_store.query(
+        "SELECT rank, max(pp), max(tp), max(dp) FROM ranks WHERE job_id = 'mesh-test' GROUP BY rank ORDER BY rank"
+    ).rows()
+    # mesh (pp=2, dp_replicate=2, tp=2), row-major: rank = pp * 4 + dp * 2 + tp
+    assert got == [(r, r // 4, r % 2, (r // 2) % 2) for r in range(world)]
+
+
+def test_mesh_dimension_names_map_to_coordinates():
+    from ranklens.tracing._patch import mesh_coords
+
+    class Mesh:
+        def __init__(self, names, shape, coord, root=None):
+            self.mesh_dim_names, self.shape, self._coord, self._root_mesh = names, shape, coord, root
+
+        def size(self):
+            n = 1
+            for s in self.shape:
+                n *= s
+            return n
+
+        def get_coordinate(self):
+            return self._coord
+
+    # HSDP: replicate x shard flatten into one dp index; unknown dimensions (cp) are ignored
+    assert mesh_coords(Mesh(("dp_replicate", "dp_shard", "cp", "TP"), (2, 4, 2, 2), [1, 3, 0, 1]), 32) == {
+        "dp": 1 * 4 + 3,
+        "tp": 1,
+    }
+    assert mesh_coords(Mesh(("pp", "tp"), (2, 2), [1, 0]), 8) is None  # not the whole job
+    assert mesh_coords(Mesh(("pp", "tp"), (2, 2), [1, 0], root=object()), 4) is None  # a sub-mesh
+    assert mesh_coords(Mesh(None, (4,), [1]), 4) is None  # no names
+    assert mesh_coords(Mesh(("pp",), (4,), None), 4) is None  # this rank is not in it

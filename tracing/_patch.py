@@ -208,10 +208,67 @@ def _wrap_new_group(tracer: Any, fn: Any, c10d: Any) -> Any:
     return new_group
 
 
+# DeviceMesh dimension names -> the coordinate they give (several data-parallel dimensions, e.g.
+# HSDP's replicate x shard, are flattened into one dp index).
+_MESH_ROLES = {
+    "pp": ("pp", "pipe", "pipeline", "stage", "pipeline_parallel"),
+    "tp": ("tp", "tensor", "model", "mp", "tensor_parallel"),
+    "dp": ("dp", "data", "dp_replicate", "dp_shard", "fsdp", "ddp", "hsdp", "replicate", "shard", "data_parallel"),
+}
+
+
+def mesh_coords(mesh: Any, world_size: int) -> dict[str, int] | None:
+    """This rank's (pp, tp, dp) from a DeviceMesh over the whole job, by dimension name; None for a
+    mesh without names, a sub-mesh, or a rank outside it."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    if not names or getattr(mesh, "_root_mesh", None) is not None or int(mesh.size()) != int(world_size):
+        return None
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    out: dict[str, int] = {}
+    dp = None
+    for name, c, n in zip(names, coord, tuple(mesh.shape)):
+        role = next((r for r, aliases in _MESH_ROLES.items() if str(name).lower() in aliases), None)
+        if role == "dp":
+            dp = int(c) if dp is None else dp * int(n) + int(c)
+        elif role is not None and role not in out:
+            out[role] = int(c)
+    if dp is not None:
+        out["dp"] = dp
+    return out or None
+
+
+def _wrap_mesh_init(tracer: Any, init: Any) -> Any:
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        try:
+            if tracer.enabled:
+                coords = mesh_coords(self, tracer.world_size)
+                if coords:
+                    tracer.set_coords(coords)
+        except Exception:
+            tracer.count_drop("ranks:mesh_coords_error")
+
+    __init__.__ranklens_wrapped__ = init  # type: ignore[attr-defined]
+    return __init__
+
+
 def patch(tracer: Any) -> None:
-    """Install wrappers on ``torch.distributed`` and ``torch.distributed.distributed_c10d``."""
+    """Install wrappers on ``torch.distributed`` and ``torch.distributed.distributed_c10d``, and on
+    ``DeviceMesh`` (its dimension names give the rank's pp/tp/dp coordinates)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - old torch
+        DeviceMesh = None
+    if DeviceMesh is not None:
+        init = getattr(DeviceMesh.__init__, "__ranklens_wrapped__", DeviceMesh.__init__)
+        _originals.setdefault((DeviceMesh, "__init__"), init)
+        DeviceMesh.__init__ = _wrap_mesh_init(tracer, init)  # type: ignore[method-assign]
 
     for name in [*_OPS, "new_group"]:
         orig = getattr(c10d, name, None)

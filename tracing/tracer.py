@@ -103,18 +103,16 @@ class Tracer:
         self._stop = threading.Event()
         self._flush_lock = threading.Lock()
         self._pid = os.getpid()
-        self.add(
-            "ranks",
-            {
-                **self._ident,
-                "world_size": world_size,
-                "host": self._host,
-                "local_rank": local_rank,
-                "pid": os.getpid(),
-                "started_ns": clock(),
-                **{k: int(v) for k, v in (coords or {}).items() if k in ("pp", "tp", "dp") and v is not None},
-            },
-        )
+        self._rank_row: dict[str, Any] = {
+            **self._ident,
+            "world_size": world_size,
+            "host": self._host,
+            "local_rank": local_rank,
+            "pid": os.getpid(),
+            "started_ns": clock(),
+            **{k: int(v) for k, v in (coords or {}).items() if k in ("pp", "tp", "dp") and v is not None},
+        }
+        self.add("ranks", dict(self._rank_row))
         self.profiler: Any = None  # ranklens.tracing.profiler.ProfilerWindows, set by init()
         self._cuda_timer: Any = None
         self.clock_error_ns = 0  # worst host/device clock mapping error seen (CUDA timing)
@@ -377,6 +375,15 @@ class Tracer:
         n = self._seq.get(key, 0) + 1
         self._seq[key] = n
         return n
+
+    def set_coords(self, coords: dict[str, int]) -> None:
+        """This rank's parallelism coordinates (``pp``, ``tp``, ``dp``) learnt after start (from a
+        DeviceMesh): one more ``ranks`` row; readers take the largest known value per rank."""
+        new = {k: int(v) for k, v in coords.items() if k in ("pp", "tp", "dp") and v is not None and v >= 0}
+        if not new or all(self._rank_row.get(k) == v for k, v in new.items()):
+            return
+        self._rank_row.update(new)
+        self.add("ranks", dict(self._rank_row))
 
     def collective_entered(
         self, pg: str, seq: int, op: str, nbytes: int, dtype: str, peer: int, async_op: bool
