@@ -272,6 +272,121 @@ def ledger_dashboard() -> dict[str, Any]:
     )
 
 
+def nodes_dashboard() -> dict[str, Any]:
+    """Per rank and per node, from the node collectors' /metrics."""
+    sel = 'job_id=~"$job_id"'
+    panels = [
+        _panel(
+            1,
+            "Step time, per rank",
+            "timeseries",
+            PROM,
+            [_prom(f"ranklens_rank_step_duration_seconds{{{sel}}}", "rank {{rank}}")],
+            0,
+            0,
+            unit="s",
+            description="duration of each rank's last step, as its node's collector ships it",
+        ),
+        _panel(
+            2,
+            "Share of time blocked in collectives, per rank",
+            "timeseries",
+            PROM,
+            [_prom(f"rate(ranklens_rank_collective_wait_seconds_total{{{sel}}}[1m])", "rank {{rank}}")],
+            12,
+            0,
+            unit="percentunit",
+            description="the ranks that wait least are the ones the others wait for",
+        ),
+        _panel(
+            3,
+            "Heartbeat age, per rank",
+            "timeseries",
+            PROM,
+            [_prom(f"time() - ranklens_rank_heartbeat_timestamp_seconds{{{sel}}}", "rank {{rank}}")],
+            0,
+            8,
+            unit="s",
+            description="a rank whose heartbeats stop is hung or dead (see the hang findings)",
+        ),
+        _panel(
+            4,
+            "GPU utilization",
+            "timeseries",
+            PROM,
+            [_prom(f"ranklens_gpu_utilization_ratio{{{sel}}}", "{{host}} GPU {{gpu}} (rank {{rank}})")],
+            12,
+            8,
+            unit="percentunit",
+        ),
+        _panel(
+            5,
+            "Collector: rows shipped per second",
+            "timeseries",
+            PROM,
+            [
+                _prom(
+                    "sum by (instance, table) (rate(ranklens_collector_rows_shipped_total[1m]))",
+                    "{{instance}} {{table}}",
+                )
+            ],
+            0,
+            16,
+            8,
+        ),
+        _panel(
+            6,
+            "Collector: spool waiting and ship lag",
+            "timeseries",
+            PROM,
+            [
+                _prom("ranklens_collector_spool_bytes", "{{instance}} bytes"),
+                _prom("ranklens_collector_ship_lag_seconds", "{{instance}} lag (s)"),
+            ],
+            8,
+            16,
+            8,
+        ),
+        _panel(
+            7,
+            "Collector: data at risk",
+            "timeseries",
+            PROM,
+            [
+                _prom("ranklens_collector_segments_in_doubt", "{{instance}} segments in doubt"),
+                _prom(
+                    "sum by (instance) (increase(ranklens_collector_spool_evicted_rows_total[10m]))",
+                    "{{instance}} rows evicted (10m)",
+                ),
+                _prom("increase(ranklens_collector_ranks_gone_total[10m])", "{{instance}} rank processes gone (10m)"),
+            ],
+            16,
+            16,
+            8,
+            description="evicted rows are lost (the store was down longer than the spool budget allows)",
+        ),
+    ]
+    return _dashboard(
+        "ranklens-nodes",
+        "ranklens: ranks and nodes",
+        panels,
+        [
+            {
+                "name": "job_id",
+                "label": "job",
+                "type": "query",
+                "datasource": PROM,
+                "query": {"query": "label_values(ranklens_rank_steps_total, job_id)", "refId": "job_id"},
+                "definition": "label_values(ranklens_rank_steps_total, job_id)",
+                "includeAll": True,
+                "multi": True,
+                "refresh": 2,
+                "current": {},
+            }
+        ],
+    )
+
+
 def _dashboard(uid: str, title: str, panels: list[dict[str, Any]], variables: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "uid": uid,
@@ -419,6 +534,7 @@ def render() -> dict[str, str]:
     return {
         "dashboards/ranklens-findings.json": js(findings_dashboard()),
         "dashboards/ranklens-ledger.json": js(ledger_dashboard()),
+        "dashboards/ranklens-nodes.json": js(nodes_dashboard()),
         "provisioning/datasources/ranklens.yml": HEADER + js(datasources()),
         "provisioning/dashboards/ranklens.yml": HEADER + js(dashboard_provider()),
         "provisioning/alerting/ranklens.yml": HEADER + js(alert_rules()),

@@ -83,11 +83,22 @@ def test_promql_uses_exported_metrics():
     from prometheus_client import CollectorRegistry
 
     from ranklens.analyzers.recovery import FindingsExporter, RecoveryMetrics
+    from ranklens.collector.metrics import CollectorMetrics
+    from ranklens.records import to_arrow
     from tests.recovery_helpers import finding
 
     reg = CollectorRegistry()
     FindingsExporter(reg).update([finding()])
     RecoveryMetrics(reg).decision("notify", "decided")
+    cm = CollectorMetrics(reg)  # the node collectors' metrics (the nodes dashboard)
+    cm.observe_rows("steps", to_arrow("steps", [{"job_id": "j", "rank": 0, "step": 1, "start_ns": 1, "end_ns": 9}]))
+    cm.observe_rows("heartbeats", to_arrow("heartbeats", [{"job_id": "j", "rank": 0, "ts_ns": 5}]))
+    cm.observe_gpus([{"host": "n", "gpu_index": 0, "gpu_uuid": "u", "job_id": "j", "rank": 0, "util_pct": 50.0,
+                      "mem_used_bytes": 1, "mem_total_bytes": 2, "power_w": 1.0, "temp_c": 1.0, "sm_clock_mhz": 1.0,
+                      "mem_clock_mhz": 1.0, "throttle_reasons": 0, "ecc_corrected": 0, "ecc_uncorrected": 0,
+                      "pcie_replay": 0, "nvlink_errors": 0}], [{}])  # fmt: skip
+    cm.rows_shipped.labels("steps").inc()
+    cm.spool_evicted_rows.labels("gpu_samples").inc()
     exported = {s.name for fam in reg.collect() for s in fam.samples}
     used = {m for e in _promql() for m in re.findall(r"\b(ranklens_[a-z_]+)", e)}
     assert used and used <= exported, used - exported
