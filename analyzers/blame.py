@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ranklens.analyzers.ranks import rank_hosts
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
@@ -142,11 +143,7 @@ def compute_blame(
     sql = blame_sql(job_id, attempt, int(t0 or 0), only_ranks, offsets)
     b = store.query(sql)
     st = store.query(step_times_sql(job_id, attempt))
-    hosts_q = store.query(
-        f"SELECT rank, any(host) AS host FROM ranks WHERE job_id = '{_esc(job_id)}' "
-        f"AND attempt = {int(attempt)} GROUP BY rank"
-    )
-    hosts = {int(r): str(h) for r, h in hosts_q.rows()}
+    hosts = rank_hosts(store, job_id, attempt)
     steps = (
         st.column("step").astype(np.int64)
         if st.num_rows

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ranklens.analyzers.ranks import rank_hosts
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
@@ -78,7 +79,5 @@ def clock_offsets(store: Store, job_id: str, attempt: int = 0) -> dict[str, Host
 
 def rank_offsets(store: Store, job_id: str, attempt: int, offsets: dict[str, HostOffset]) -> dict[int, int]:
     """Offsets per rank (the rank's host's offset)."""
-    rows = store.query(
-        f"SELECT rank, any(host) FROM ranks WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} GROUP BY rank"
-    ).rows()
-    return {int(r): offsets[str(h)].offset_ns for r, h in rows if str(h) in offsets}
+    hosts = rank_hosts(store, job_id, attempt)
+    return {r: offsets[h].offset_ns for r, h in hosts.items() if h in offsets}

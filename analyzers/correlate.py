@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ranklens.analyzers.findings import Finding
+from ranklens.analyzers.ranks import rank_hosts
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
@@ -155,11 +156,6 @@ def related_events(
     return out
 
 
-def _job_hosts(store: Store, job_id: str) -> dict[int, str]:
-    r = store.query(f"SELECT rank, any(host) AS rank_host FROM ranks WHERE job_id = '{_esc(job_id)}' GROUP BY rank")
-    return {int(rank): str(h) for rank, h in r.rows() if h}
-
-
 def _enrich(f: Finding, rows: list[dict[str, Any]], hosts: dict[int, str], onset: int, max_events: int) -> Finding:
     s_hosts = {s.node for s in f.suspects if s.node} | {hosts[s.rank] for s in f.suspects if s.rank in hosts}
     s_ranks = {s.rank for s in f.suspects if s.rank >= 0}
@@ -254,7 +250,7 @@ def correlate_findings(
     for f in findings:
         hosts = hosts_by_job.get(f.job_id)
         if hosts is None:
-            hosts = hosts_by_job[f.job_id] = _job_hosts(store, f.job_id)
+            hosts = hosts_by_job[f.job_id] = rank_hosts(store, f.job_id)
         start, end, onset = _window(f, before_s, after_s)
         job_hosts = set(hosts.values()) | {s.node for s in f.suspects if s.node}
         rows = related_events(store, f.job_id, start, end, hosts=job_hosts, min_severity=min_severity)

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ranklens.analyzers.findings import Finding, Severity, Suspect, finding_id
+from ranklens.analyzers.ranks import rank_hosts
 from ranklens.analyzers.tomography import (
     CongestionDetection,
     GroupTestingDetector,
@@ -274,8 +275,7 @@ def compute_link_metrics(
         w_ns = max(100_000_000, math.ceil(max(t1 - t0, 1) / max(1, max_windows)))
     sql = link_metric_sql(job_id, attempt, window_steps=w_steps, window_ns=w_ns, t0_ns=t0, min_bytes=min_bytes)
     res = store.query(sql)
-    hosts_q = store.query(f"SELECT rank, any(host) AS rank_host FROM ranks WHERE {where} GROUP BY rank")
-    hosts = {int(r): str(h) for r, h in hosts_q.rows() if h}
+    hosts = rank_hosts(store, job_id, attempt)
     pgs = res.column("pg").astype(object) if res.num_rows else np.array([], dtype=object)
     groups = _group_infos(store, job_id, attempt, {str(p) for p in pgs}, hosts)
 

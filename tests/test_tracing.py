@@ -115,22 +115,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.e2e
-def test_real_gloo_job_ledger(tmp_path, embedded_store):
-    world = 4
+def _run_gloo_job(script: str, world: int, job_id: str, tmp_path: Path, store) -> None:
+    """Run tests/<script> as a real ``world``-rank gloo job traced into ``tmp_path/spool``; ship it."""
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": str(world),
         "RANKLENS_SPOOL": str(tmp_path / "spool"),
-        "RANKLENS_JOB_ID": "dist-test",
+        "RANKLENS_JOB_ID": job_id,
         "OMP_NUM_THREADS": "1",
     }
-    script = Path(__file__).with_name("dist_job.py")
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script)],
+            [sys.executable, str(Path(__file__).with_name(script))],
             env={**env, "RANK": str(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -140,7 +138,13 @@ def test_real_gloo_job_ledger(tmp_path, embedded_store):
     ]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    Shipper(tmp_path / "spool", embedded_store).ship_once()
+    Shipper(tmp_path / "spool", store).ship_once()
+
+
+@pytest.mark.e2e
+def test_real_gloo_job_ledger(tmp_path, embedded_store):
+    world = 4
+    _run_gloo_job("dist_job.py", world, "dist-test", tmp_path, embedded_store)
     q = embedded_store.query
 
     groups = {pg: sorted(r) for pg, r in q("SELECT pg, any(ranks) FROM process_groups GROUP BY pg").rows()}
@@ -402,29 +406,7 @@ def test_watched_works_registered_while_the_watcher_checks_are_never_lost(tmp_pa
 @pytest.mark.e2e
 def test_device_mesh_gives_each_rank_its_coordinates(tmp_path, embedded_store):
     world = 8
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(world),
-        "RANKLENS_SPOOL": str(tmp_path / "spool"),
-        "RANKLENS_JOB_ID": "mesh-test",
-        "OMP_NUM_THREADS": "1",
-    }
-    script = Path(__file__).with_name("mesh_job.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script)],
-            env={**env, "RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    Shipper(tmp_path / "spool", embedded_store).ship_once()
+    _run_gloo_job("mesh_job.py", world, "mesh-test", tmp_path, embedded_store)
     got = embedded_store.query(
         "SELECT rank, max(pp), max(tp), max(dp) FROM ranks WHERE job_id = 'mesh-test' GROUP BY rank ORDER BY rank"
     ).rows()
