@@ -435,6 +435,8 @@ class Agent:
     def ship_once(self) -> Any:
         """One shipping pass (also what the ship loop does), with metrics."""
         r = self.shipper.ship_once()
+        if r.busy:  # another shipper (a one-off `ranklens collect`) holds the spool: it ships meanwhile
+            return r
         self.metrics.observe_ship(r)
         self._ship_passes += 1
         compact = getattr(self.store, "compact", None)

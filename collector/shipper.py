@@ -23,6 +23,7 @@ metadata last), and every row lost that way is counted in ``drops``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -47,6 +48,7 @@ __all__ = ["MAX_BLOCK_ROWS", "ShipResult", "Shipper", "SpoolBudget", "parse_byte
 log = logging.getLogger("ranklens.collector")
 
 QUARANTINE = "quarantine"
+LOCK_FILE = ".ranklens-ship.lock"
 COMPACT_EVERY = 20
 MAX_BLOCK_ROWS = 1_000_000  # at most this many rows of one table per insert (one atomic block on a server)
 JOURNAL_VERSION = 1
@@ -71,6 +73,7 @@ class ShipResult:
     partial: int = 0  # segments in doubt the store had in part (those rows discarded, segment sent again)
     evicted: dict[str, int] = field(default_factory=dict)  # rows removed by the disk budget, per table
     error: str | None = None  # the store failed: segments stay for the next pass
+    busy: bool = False  # another shipper holds this spool: nothing was done
 
     @property
     def ok(self) -> bool:
@@ -273,8 +276,49 @@ class Shipper:
 
     # --- one pass -------------------------------------------------------------------------
 
-    def ship_once(self) -> ShipResult:
-        """One pass over the spool: read, ask the store about segments in doubt, write, delete."""
+    def ship_once(self, *, wait_s: float = 0.0) -> ShipResult:
+        """One pass over the spool: read, ask the store about segments in doubt, write, delete.
+
+        One shipper at a time per spool (an flock on ``<spool>/.ranklens-ship.lock``): two would
+        send the same segments. When another process holds it, this pass waits up to ``wait_s``
+        seconds, then does nothing (``ShipResult.busy``)."""
+        with self._spool_lock(wait_s) as held:
+            if not held:
+                return ShipResult(busy=True)
+            return self._traced_pass()
+
+    @contextlib.contextmanager
+    def _spool_lock(self, wait_s: float) -> Iterator[bool]:
+        import fcntl
+
+        if not self.spool_dir.is_dir():
+            yield True  # nothing to ship, nothing to guard
+            return
+        try:
+            fd = os.open(self.spool_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            log.warning("ranklens collector: cannot open the spool lock (%s); shipping without it", e)
+            yield True
+            return
+        deadline = time.monotonic() + wait_s
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        yield False
+                        return
+                    time.sleep(0.05)
+            try:
+                yield True
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def _traced_pass(self) -> ShipResult:
         if self.tracer is None:
             return self._ship_once()
         with self.tracer.start_as_current_span("ranklens.ship_pass") as span:
@@ -291,8 +335,6 @@ class Shipper:
             return r
 
     def _span(self, name: str, **attrs: Any) -> Any:
-        import contextlib
-
         if self.tracer is None:
             return contextlib.nullcontext()
         return self.tracer.start_as_current_span(name, attributes={f"ranklens.{k}": v for k, v in attrs.items()})

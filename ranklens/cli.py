@@ -626,7 +626,11 @@ def collect(
     )
     store = _open(store_url)
     if not follow:
-        r = cfg.shipper(store).ship_once()
+        r = cfg.shipper(store).ship_once(wait_s=30.0)
+        if r.busy:
+            raise StoreUnavailableError(
+                f"another collector has been shipping {cfg.spool_dir} for 30 s; try again, or let it ship"
+            )
         parts = [f"{r.segments} segment(s)", ", ".join(f"{k} {v}" for k, v in sorted(r.rows.items()))]
         if r.quarantined:
             parts.append(f"{r.quarantined} quarantined")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 from ranklens.collector import Shipper
 from ranklens.tracing.spool import SpoolWriter
@@ -217,3 +218,35 @@ def test_parse_bytes_and_budget_errors():
     for bad in ("lots", "-1GB", True, -5):
         with pytest.raises(ConfigError):
             parse_bytes(bad, "spool_max_bytes")
+
+
+def test_two_shippers_on_one_spool_never_send_a_segment_twice(tmp_path, embedded_store):
+    import threading
+
+    class Slow:
+        """The store takes its time: both shippers would read the same segments before either deletes."""
+
+        url, backend = embedded_store.url, embedded_store.backend
+
+        def write_many(self, batches):
+            time.sleep(0.3)
+            return embedded_store.write_many(batches)
+
+        def query(self, sql):
+            return embedded_store.query(sql)
+
+    w = SpoolWriter(tmp_path / "spool", "j", 0, 0)
+    for k in range(10):
+        w.write("collectives", _rows(5, start=10 * k))
+    a, b = Shipper(tmp_path / "spool", Slow(), host="a"), Shipper(tmp_path / "spool", Slow(), host="b")
+    results = {}
+    threads = [
+        threading.Thread(target=lambda s=s, n=n: results.update({n: s.ship_once()})) for n, s in (("a", a), ("b", b))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.busy for r in results.values()) == [False, True]  # one shipped, the other stood aside
+    assert _seqs(embedded_store) == sorted(10 * k + i for k in range(10) for i in range(5))
+    assert b.ship_once(wait_s=1).segments == 0 and a.ship_once().segments == 0
