@@ -59,6 +59,21 @@ class Server:
     def stop(self) -> None:
         self._run("stop")
 
+    def kill(self) -> None:
+        """SIGKILL: the server dies mid-insert, with no chance to finish or refuse anything."""
+        import signal as _signal
+
+        pid = int((self.dir / "pid").read_text())
+        os.kill(pid, _signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        (self.dir / "pid").unlink()
+
     @property
     def url(self) -> str:
         return f"clickhouse://default@127.0.0.1:{self.tcp}/rl_exactly_once"
@@ -180,7 +195,8 @@ def _check_exactly_once(url: str, ranks: Ranks) -> tuple[int, int]:
     return int(n), len(marks)
 
 
-def test_server_stopped_mid_run_every_row_exactly_once(tmp_path, own_server):
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_server_stopped_mid_run_every_row_exactly_once(tmp_path, own_server, how):
     from ranklens.store import open_store
 
     open_store(own_server.url).close()  # create the schema
@@ -191,7 +207,7 @@ def test_server_stopped_mid_run_every_row_exactly_once(tmp_path, own_server):
     try:
         time.sleep(2.0)
         before = ranks.seq
-        own_server.stop()  # mid-run: inserts in flight fail, the ranks keep writing
+        getattr(own_server, how)()  # mid-run: inserts in flight fail, the ranks keep writing
         time.sleep(3.0)
         assert not _drained(ranks)  # the spool holds what the store cannot take
         own_server.start()
@@ -207,7 +223,7 @@ def test_server_stopped_mid_run_every_row_exactly_once(tmp_path, own_server):
     text = log.read_text()
     assert "store unavailable" in text  # the outage happened mid-run and was seen
     print(
-        f"server stop/start: {n} collective rows ({before} before the stop), {events} log events, exactly once; "
+        f"server {how}/start: {n} collective rows ({before} before the stop), {events} log events, exactly once; "
         f"outage logged {text.count('store unavailable')}x, back {text.count('available again')}x, "
         f"{text.count('already stored')} settle passes"
     )
