@@ -624,7 +624,7 @@ def collect(
         ship_interval_s=interval,
         host=host,
     )
-    store = _open(store_url)
+    store = _open_for_agent(store_url) if follow else _open(store_url)
     if not follow:
         r = cfg.shipper(store).ship_once(wait_s=30.0)
         if r.busy:
@@ -644,6 +644,22 @@ def collect(
         return
     click.echo(f"ranklens collector: spool {cfg.spool_dir} -> {store.url} (Ctrl-C to stop)", err=True)
     Agent(cfg, store=store).run()
+
+
+def _open_for_agent(store_url: str | None) -> Any:
+    """The node agent's store. A ClickHouse server that cannot be reached yet does not stop the
+    agent: it collects into the spool and connects when the server comes up. A wrong URL, wrong
+    credentials or a schema mismatch still stop it at once."""
+    from ranklens.store import LazyStore, default_store_url
+
+    url = store_url or default_store_url()
+    try:
+        return _open(url)
+    except StoreUnavailableError as e:
+        if not url.startswith(("clickhouse://", "clickhouses://")):
+            raise
+        click.echo(f"ranklens collector: {e}; collecting into the spool, connecting when it is up", err=True)
+        return LazyStore(url)
 
 
 @cli.command("collector", epilog=_EPILOG)

@@ -79,13 +79,17 @@ class Server:
         return f"clickhouse://default@127.0.0.1:{self.tcp}/rl_exactly_once"
 
 
-@pytest.fixture
-def own_server(tmp_path):
+def _need_clickhouse_server() -> None:
     if shutil.which("clickhouse-server") is None:
         msg = "clickhouse-server is not installed (apt-get install clickhouse-server)"
         if REQUIRE_SERVER:
             pytest.fail(msg)
         pytest.skip(msg)
+
+
+@pytest.fixture
+def own_server(tmp_path):
+    _need_clickhouse_server()
     s = Server(tmp_path / "ch")
     s.start()
     yield s
@@ -302,3 +306,33 @@ def test_partly_stored_segment_on_a_distributed_table(tmp_path, server_db_url):
     got = sorted(s for (s,) in store.query("SELECT seq FROM collectives").rows())
     assert got == list(range(6))
     store.close()
+
+
+def test_collector_started_before_its_store(tmp_path):
+    """A node collector that starts while ClickHouse is still down keeps running (logs, spool) and
+    ships everything, once, when the server comes up."""
+    _need_clickhouse_server()
+    server = Server(tmp_path / "ch")  # not started yet
+    ranks = Ranks(tmp_path)
+    ranks.start()
+    log = tmp_path / "collector.log"
+    p = _collector(ranks, server.url, log)
+    try:
+        time.sleep(3.0)
+        assert p.poll() is None, log.read_text()[-3000:]  # still collecting
+        assert "connecting when it is up" in log.read_text()
+        server.start()
+        time.sleep(2.0)
+        ranks.stop()
+        _wait(lambda: _drained(ranks), 120, "the spool to drain once the server is up")
+        time.sleep(1.0)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(60)
+        ranks.stop()
+    try:
+        assert rc == 0, log.read_text()[-3000:]
+        n, events = _check_exactly_once(server.url, ranks)
+    finally:
+        server.stop()
+    print(f"collector before store: {n} collective rows, {events} log events, exactly once")

@@ -9,12 +9,13 @@ URLs:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ranklens.config import DEFAULT_STORE_DIR, ENV_STORE, ENV_STORE_PASSWORD
 from ranklens.errors import ConfigError
 from ranklens.store.api import QueryResult, Store
 
-__all__ = ["QueryResult", "Store", "default_store_url", "open_store"]
+__all__ = ["LazyStore", "QueryResult", "Store", "default_store_url", "open_store"]
 
 
 def default_store_url() -> str:
@@ -51,3 +52,58 @@ def open_store(url: str | None = None, *, create: bool = True) -> Store:
     from ranklens.store.embedded import EmbeddedStore
 
     return EmbeddedStore(path, create=create)
+
+
+class LazyStore:
+    """A ClickHouse server store that is connected on first use and again after a failed attempt:
+    a collector that starts before its store keeps collecting, and ships once the store is up.
+
+    Methods raise :class:`~ranklens.errors.StoreUnavailable` while the server cannot be reached,
+    like an open store whose server went away.
+    """
+
+    backend = "server"
+
+    def __init__(self, url: str, *, create: bool = True) -> None:
+        import threading
+
+        from ranklens.store.server import ServerConfig
+
+        if not url.startswith(("clickhouse://", "clickhouses://")):
+            raise ConfigError(f"LazyStore is for ClickHouse server URLs, not {url!r}")
+        self._url = url
+        self._create = create
+        self.url = ServerConfig.from_url(url).redacted_url()  # parses (bad URLs fail now), connects nothing
+        self._store: Store | None = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Store:
+        with self._lock:
+            if self._store is None:
+                self._store = open_store(self._url, create=self._create)
+            return self._store
+
+    @property
+    def connected(self) -> bool:
+        return self._store is not None
+
+    def write(self, table: str, data: Any) -> int:
+        return self._get().write(table, data)
+
+    def write_many(self, batches: Any) -> dict[str, int]:
+        return self._get().write_many(batches)
+
+    def query(self, sql: str) -> QueryResult:
+        return self._get().query(sql)
+
+    def discard_ingest(self, table: str, ingest_ids: Any) -> None:
+        self._get().discard_ingest(table, ingest_ids)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+    def __repr__(self) -> str:
+        return f"LazyStore({self.url!r}, connected={self.connected})"
