@@ -402,11 +402,7 @@ class Shipper:
                     "ranklens.store_write", tables=sorted(batch), rows=sum(t.num_rows for t in batch.values())
                 ):
                     written = self.store.write_many(batch)
-                self._writes += 1
-                self._maybe_fault()
-                for k, v in written.items():
-                    result.rows[k] = result.rows.get(k, 0) + v
-                    self.totals[k] = self.totals.get(k, 0) + v
+                self._count(result, written)
         except StoreError as e:
             result.error = str(e)
             self._store_failed(e, len(segments))
@@ -469,6 +465,14 @@ class Shipper:
             for id_, n in res.rows():
                 found[int(id_)] = int(n)
         return found
+
+    def _count(self, result: ShipResult, written: dict[str, int]) -> None:
+        """A store write succeeded: count its rows (then the fault drill may strike)."""
+        for k, v in written.items():
+            result.rows[k] = result.rows.get(k, 0) + v
+            self.totals[k] = self.totals.get(k, 0) + v
+        self._writes += 1
+        self._maybe_fault()
 
     def _store_failed(self, e: Exception, kept: int) -> None:
         """Log a store failure: at once, then at most once a minute while it lasts."""
@@ -550,12 +554,7 @@ class Shipper:
                     bid = _batch_id(base, i)
                     if bid in skip:
                         continue
-                    written = self.store.write_many({TRACE_TABLE: _stamp(batch, bid)})
-                    self._writes += 1
-                    self._maybe_fault()
-                    for k, v in written.items():
-                        result.rows[k] = result.rows.get(k, 0) + v
-                        self.totals[k] = self.totals.get(k, 0) + v
+                    self._count(result, self.store.write_many({TRACE_TABLE: _stamp(batch, bid)}))
             except (StoreError, OSError) as e:
                 result.error = str(e)
                 self._store_failed(e, 1)
