@@ -101,14 +101,8 @@ class EmbeddedStore:
             with self._locked():
                 if (self.root / "meta.json").exists():
                     return  # another process initialised it meanwhile
-                import pyarrow.parquet as pq
-
                 for name in TABLES:
-                    d = self.root / "parts" / name
-                    d.mkdir(parents=True, exist_ok=True)
-                    tmp = d / f".empty-{uuid.uuid4().hex}.tmp"
-                    pq.write_table(empty_arrow(name), tmp)
-                    os.replace(tmp, d / "empty.parquet")
+                    self._write_empty_part(name)
                 self._write_json("manifest.json", {"generation": 0, "tables": {n: [] for n in TABLES}, "garbage": []})
                 self._write_json("meta.json", {"schema_version": SCHEMA_VERSION, "created_ns": time.time_ns()})
         except OSError as e:
@@ -138,6 +132,28 @@ class EmbeddedStore:
             os.fsync(f.fileno())
         os.replace(tmp, self.root / name)
 
+    def _write_part(self, table_name: str, data: Any) -> str:
+        """Write ``data`` as a new immutable part of ``table_name`` (temporary name, then rename);
+        returns the part's file name. Not committed: the caller names it in the manifest."""
+        import pyarrow.parquet as pq
+
+        part = f"part-{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.parquet"
+        d = self.root / "parts" / table_name
+        tmp = d / f".{part}.tmp"
+        pq.write_table(data, tmp, compression="zstd")
+        os.replace(tmp, d / part)
+        return part
+
+    def _write_empty_part(self, table_name: str) -> None:
+        """``empty.parquet``: the table's schema, read when it has no parts."""
+        import pyarrow.parquet as pq
+
+        d = self.root / "parts" / table_name
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".empty-{uuid.uuid4().hex}.tmp"
+        pq.write_table(empty_arrow(table_name), tmp)
+        os.replace(tmp, d / "empty.parquet")
+
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         with self._lock, open(self.root / ".lock", "a+") as f:
@@ -161,7 +177,6 @@ class EmbeddedStore:
 
     def write_many(self, batches: Mapping[str, Any]) -> dict[str, int]:
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         staged: list[tuple[str, Path, int]] = []
         counts: dict[str, int] = {}
@@ -174,12 +189,8 @@ class EmbeddedStore:
                 counts[t.name] = counts.get(t.name, 0) + data.num_rows
                 if data.num_rows == 0:
                     continue
-                part = f"part-{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.parquet"
-                d = self.root / "parts" / t.name
-                tmp = d / f".{part}.tmp"
-                pq.write_table(data, tmp, compression="zstd")
-                os.replace(tmp, d / part)
-                staged.append((t.name, d / part, data.num_rows))
+                part = self._write_part(t.name, data)
+                staged.append((t.name, self.root / "parts" / t.name / part, data.num_rows))
             if staged:
                 with self._locked():
                     m = self._read_manifest()
@@ -215,10 +226,7 @@ class EmbeddedStore:
                     continue
                 d = self.root / "parts" / name
                 data = pa.concat_tables([pq.read_table(d / p[0]) for p in small])
-                part = f"part-{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.parquet"
-                tmp = d / f".{part}.tmp"
-                pq.write_table(data, tmp, compression="zstd")
-                os.replace(tmp, d / part)
+                part = self._write_part(name, data)
                 names = {p[0] for p in small}
                 m["tables"][name] = [p for p in parts if p[0] not in names] + [[part, data.num_rows]]
                 m["garbage"].extend([f"{name}/{p}", now] for p in names)
@@ -264,11 +272,7 @@ class EmbeddedStore:
                 rest = data.filter(pc.invert(mask))
                 m["garbage"].append([f"{name}/{part[0]}", now])
                 if rest.num_rows:
-                    new = f"part-{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.parquet"
-                    tmp = d / f".{new}.tmp"
-                    pq.write_table(rest, tmp, compression="zstd")
-                    os.replace(tmp, d / new)
-                    kept.append([new, rest.num_rows])
+                    kept.append([self._write_part(name, rest), rest.num_rows])
             if removed:
                 m["tables"][name] = kept
                 m["generation"] += 1

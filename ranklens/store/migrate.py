@@ -13,11 +13,11 @@ import json
 import math
 import os
 import time
-import uuid
 from pathlib import Path
 
 from ranklens.errors import ConfigError, SchemaVersionError, StoreError
 from ranklens.schema import META_TABLE, SCHEMA_VERSION, TABLES, Column
+from ranklens.store.api import sql_string
 
 __all__ = ["migrate"]
 
@@ -43,7 +43,7 @@ def _literal(c: Column) -> str:
     if c.is_array:
         return "[]"
     if isinstance(v, str):
-        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        return sql_string(v)
     if isinstance(v, float) and math.isnan(v):
         return "nan"
     return repr(v)
@@ -109,7 +109,7 @@ def _migrate_embedded(root: Path) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ranklens.records import arrow_schema, empty_arrow
+    from ranklens.records import arrow_schema
     from ranklens.store.embedded import EmbeddedStore
 
     root = root.resolve()
@@ -130,11 +130,8 @@ def _migrate_embedded(root: Path) -> list[str]:
         now = time.time()
         for name, t in TABLES.items():
             d = root / "parts" / name
-            d.mkdir(parents=True, exist_ok=True)
             target = arrow_schema(name)
-            tmp = d / f".empty-{uuid.uuid4().hex}.tmp"
-            pq.write_table(empty_arrow(name), tmp)
-            os.replace(tmp, d / "empty.parquet")
+            store._write_empty_part(name)
             parts = m["tables"].setdefault(name, [])
             new_parts = []
             for part_name, rows in parts:
@@ -155,11 +152,7 @@ def _migrate_embedded(root: Path) -> list[str]:
                     data = data.append_column(f, pa.array([c.default_value()] * data.num_rows, type=f.type))
                     added.append(c.name)
                 data = data.select(t.column_names).cast(target)
-                new = f"part-{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.parquet"
-                tmp = d / f".{new}.tmp"
-                pq.write_table(data, tmp, compression="zstd")
-                os.replace(tmp, d / new)
-                new_parts.append([new, data.num_rows])
+                new_parts.append([store._write_part(name, data), data.num_rows])
                 m["garbage"].append([f"{name}/{part_name}", now])
                 if added:
                     done.append(f"{name}/{part_name}: {rows} rows, added {', '.join(added)}")
