@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
@@ -18,9 +19,11 @@ __all__ = [
     "Suspect",
     "finding_from_row",
     "finding_id",
+    "latest_columns",
     "latest_findings",
     "load_finding",
     "save_findings",
+    "strip_latest",
 ]
 
 
@@ -145,13 +148,23 @@ def finding_from_row(row: dict[str, Any]) -> Finding:
     )
 
 
+def latest_columns(cols: Iterable[str]) -> str:
+    """``argMax(c, updated_ns) AS latest_c, ...``: the newest version's value of each column, for a
+    ``GROUP BY id`` over ``findings``. Aliases must not shadow column names: ClickHouse would read
+    ``argMax(x, t) AS x`` as nested. Strip the prefix with :func:`strip_latest`."""
+    return ", ".join(f"argMax({c}, updated_ns) AS latest_{c}" for c in cols)
+
+
+def strip_latest(row: dict[str, Any]) -> dict[str, Any]:
+    return {k.removeprefix("latest_"): v for k, v in row.items()}
+
+
 def load_finding(store: Store, finding_id: str) -> Finding | None:
     """The newest version of the finding whose id is (or starts with) ``finding_id``; None if none.
     Raises ValueError when a prefix matches several findings."""
     from ranklens.schema import TABLES
 
-    cols = [c for c in TABLES["findings"].column_names if c not in ("id", "updated_ns", "ingest_id")]
-    latest = ", ".join(f"argMax({c}, updated_ns) AS latest_{c}" for c in cols)
+    latest = latest_columns(c for c in TABLES["findings"].column_names if c not in ("id", "updated_ns", "ingest_id"))
     r = store.query(
         f"SELECT id, {latest} FROM findings WHERE startsWith(id, '{_esc(finding_id)}') GROUP BY id ORDER BY id LIMIT 2"
     ).to_pylist()
@@ -159,7 +172,7 @@ def load_finding(store: Store, finding_id: str) -> Finding | None:
         return None
     if len(r) > 1:
         raise ValueError(f"finding id {finding_id!r} is ambiguous: {r[0]['id']}, {r[1]['id']}, ...")
-    return finding_from_row({k.removeprefix("latest_"): v for k, v in r[0].items()})
+    return finding_from_row(strip_latest(r[0]))
 
 
 def save_findings(store: Store, findings: list[Finding]) -> int:
@@ -186,10 +199,8 @@ def latest_findings(store: Store, job_id: str, attempt: int | None = None) -> li
         "last_seen_step",
         "evidence",
     )
-    # Aliases must not shadow column names: ClickHouse would read argMax(x, t) AS x as nested.
-    latest = ", ".join(f"argMax({c}, updated_ns) AS latest_{c}" for c in cols)
     r = store.query(
-        f"SELECT id, {latest}, max(updated_ns) AS latest_updated_ns FROM findings WHERE {where} "
+        f"SELECT id, {latest_columns(cols)}, max(updated_ns) AS latest_updated_ns FROM findings WHERE {where} "
         "GROUP BY id ORDER BY latest_impact_s DESC, id"
     )
-    return [{k.removeprefix("latest_"): v for k, v in row.items()} for row in r.to_pylist()]
+    return [strip_latest(row) for row in r.to_pylist()]

@@ -308,11 +308,12 @@ _FINDING_COLS = (
 def findings(store: Store, job_id: str, attempt: int | None = None, limit: int = 500) -> pd.DataFrame:
     """The newest version of every finding of a job, most costly first (``evidence`` parsed)."""
     where = f"job_id = '{_esc(job_id)}'" + (f" AND attempt = {int(attempt)}" if attempt is not None else "")
-    latest = ", ".join(f"argMax({c}, updated_ns) AS latest_{c}" for c in _FINDING_COLS)
+    from ranklens.analyzers.findings import latest_columns
+
     df = _df(
         store,
-        f"SELECT id, {latest}, max(updated_ns) AS latest_updated_ns, min(updated_ns) AS first_reported_ns, "
-        f"count() AS versions FROM findings WHERE {where} GROUP BY id "
+        f"SELECT id, {latest_columns(_FINDING_COLS)}, max(updated_ns) AS latest_updated_ns, "
+        f"min(updated_ns) AS first_reported_ns, count() AS versions FROM findings WHERE {where} GROUP BY id "
         f"ORDER BY latest_impact_s DESC, id LIMIT {int(limit)}",
     )
     df.columns = [c.removeprefix("latest_") for c in df.columns]
