@@ -156,20 +156,7 @@ def findings_dashboard() -> dict[str, Any]:
         "ranklens-findings",
         "ranklens: findings",
         panels,
-        [
-            {
-                "name": "job_id",
-                "label": "job",
-                "type": "query",
-                "datasource": PROM,
-                "query": {"query": "label_values(ranklens_finding_open, job_id)", "refId": "job_id"},
-                "definition": "label_values(ranklens_finding_open, job_id)",
-                "includeAll": True,
-                "multi": True,
-                "refresh": 2,
-                "current": {},
-            }
-        ],
+        [_job_variable("ranklens_finding_open")],
     )
 
 
@@ -370,21 +357,24 @@ def nodes_dashboard() -> dict[str, Any]:
         "ranklens-nodes",
         "ranklens: ranks and nodes",
         panels,
-        [
-            {
-                "name": "job_id",
-                "label": "job",
-                "type": "query",
-                "datasource": PROM,
-                "query": {"query": "label_values(ranklens_rank_steps_total, job_id)", "refId": "job_id"},
-                "definition": "label_values(ranklens_rank_steps_total, job_id)",
-                "includeAll": True,
-                "multi": True,
-                "refresh": 2,
-                "current": {},
-            }
-        ],
+        [_job_variable("ranklens_rank_steps_total")],
     )
+
+
+def _job_variable(metric: str) -> dict[str, Any]:
+    """The ``$job_id`` picker: the job ids a Prometheus metric carries."""
+    return {
+        "name": "job_id",
+        "label": "job",
+        "type": "query",
+        "datasource": PROM,
+        "query": {"query": f"label_values({metric}, job_id)", "refId": "job_id"},
+        "definition": f"label_values({metric}, job_id)",
+        "includeAll": True,
+        "multi": True,
+        "refresh": 2,
+        "current": {},
+    }
 
 
 def _dashboard(uid: str, title: str, panels: list[dict[str, Any]], variables: list[dict[str, Any]]) -> dict[str, Any]:
