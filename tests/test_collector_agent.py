@@ -284,10 +284,9 @@ def test_kill_minus_9_and_restart_loses_no_log_event(tmp_path):
     got = [int(m.rsplit("#", 1)[1]) for (m,) in store.query("SELECT message FROM log_events").rows()]
     assert set(got) == set(range(n)), "a log event was lost"
     print(f"kill -9 + restart: {n} events written, {len(got)} rows, {len(got) - len(set(got))} duplicate(s)")
-    # The tailer -> spool step is exactly-once (two-phase commit, tests/test_tailer.py); a kill
-    # between the store's acknowledgement and the segment's deletion can still ship a segment
-    # twice until inserts are idempotent (issue 4 item 3).
-    assert len(got) - len(set(got)) <= 50
+    # The tailer -> spool step is exactly-once (two-phase commit, tests/test_tailer.py) and so is
+    # spool -> store (segments in doubt after the kill are looked up by ingest_id): no duplicate.
+    assert len(got) == len(set(got)), f"{len(got) - len(set(got))} log event(s) stored twice"
 
 
 def test_public_names_of_the_collector_modules():
