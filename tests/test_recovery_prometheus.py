@@ -225,6 +225,26 @@ def test_alertmanager_receiver_attaches_dcgm_alert_to_finding(embedded_store):
     assert TOKEN not in json.dumps(rows)
 
 
+def test_alertmanager_rank_label_that_is_not_a_decimal_integer_is_a_400_not_a_503_forever(store):
+    """issue 22 #10: ``"²".isdigit()`` is True but ``int("²")`` raises; the receiver answered 503
+    (retry) to a notification it can never take, so Alertmanager retried it forever."""
+    f = finding(rank=2, node="node7")
+    save_findings(store, [f])
+    rx = AlertmanagerReceiver(AlertAttacher(store), token=TOKEN)
+    port = rx.serve()
+    try:
+        for bad in ("²", "٣", "2x", " 2"):
+            status, answer = post(port, dcgm_notification("node7", job_id="job-r", rank=bad))
+            assert status == 400 and "labels.rank" in answer["error"], (bad, status, answer)
+        status, answer = post(port, dcgm_notification("node7", job_id="job-r", rank="2"))
+        assert (status, answer) == (200, {"alerts": 1, "recorded": 1})
+    finally:
+        rx.shutdown()
+    rows = store.query("SELECT finding_id, detail FROM actions").to_pylist()
+    assert [r["finding_id"] for r in rows] == [f.id]
+    assert json.loads(rows[0]["detail"])["matched_by"] == "job_id+rank"
+
+
 def test_alertmanager_receiver_requires_a_token(embedded_store):
     with pytest.raises(ConfigError, match="bearer token"):
         AlertmanagerReceiver(AlertAttacher(embedded_store), token="")

@@ -12,8 +12,9 @@ empty ``finding_id`` (so a finding raised later can still be correlated). Alertm
 firing alerts; the idempotency key (fingerprint, start, status) keeps one row per alert state.
 
 The endpoint requires ``Authorization: Bearer <token>`` (Alertmanager: ``http_config.authorization``)
-and refuses bodies over ``max_body_bytes``. It answers 503 when the store cannot take the rows,
-so that Alertmanager retries.
+and refuses bodies over ``max_body_bytes``. It answers 400 for a notification it can never take
+(not JSON, malformed alerts, a ``rank`` label that is not a decimal integer) so that Alertmanager
+does not retry it, and 503 when the store cannot take the rows, so that Alertmanager retries.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +53,8 @@ logger = logging.getLogger("ranklens.recovery")
 MAX_BODY_BYTES = 1024 * 1024
 MAX_ALERTS = 1000
 HOST_LABELS = ("Hostname", "hostname", "node", "instance")
+# ASCII digits only: str.isdigit() also accepts "²" or "٣", which int() refuses or reads otherwise
+_RANK = re.compile(r"-?[0-9]{1,9}")
 
 
 class AlertPayloadError(RecoveryError):
@@ -112,10 +116,15 @@ def parse_alertmanager(body: bytes) -> list[Alert]:
         status = str(a.get("status", doc.get("status", "firing")))
         if status not in ("firing", "resolved"):
             raise AlertPayloadError(f"alerts[{i}].status is {status!r}; expected 'firing' or 'resolved'")
+        labels = {str(k): str(v) for k, v in a.get("labels", {}).items()}
+        if labels.get("rank") and not _RANK.fullmatch(labels["rank"]):
+            raise AlertPayloadError(
+                f"alerts[{i}].labels.rank is {labels['rank']!r}; expected a decimal integer (e.g. '3') or no rank label"
+            )
         out.append(
             Alert(
                 status=status,
-                labels={str(k): str(v) for k, v in a.get("labels", {}).items()},
+                labels=labels,
                 annotations={str(k): str(v)[:2000] for k, v in (a.get("annotations") or {}).items()},
                 starts_at=str(a.get("startsAt", "")),
                 ends_at=str(a.get("endsAt", "")),
@@ -168,7 +177,7 @@ class StoreFindingMatcher:
             refs = self._find(f"id = {_q(lb['finding_id'])}", "finding_id")
             if refs:
                 return refs
-        if lb.get("job_id") and lb.get("rank", "").lstrip("-").isdigit():
+        if lb.get("job_id") and _RANK.fullmatch(lb.get("rank", "")):
             refs = self._find(f"job_id = {_q(lb['job_id'])} AND has(suspect_ranks, {int(lb['rank'])})", "job_id+rank")
             if refs:
                 return refs
