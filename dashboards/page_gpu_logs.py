@@ -50,7 +50,16 @@ klasses = c1.multiselect("class", sorted(set(classes["klass"])))
 sevs = c2.multiselect("severity", sorted(set(classes["severity"])))
 ranks_text = c3.text_input("ranks (comma-separated)", value=ui.qp_str("ranks"), key=f"log_ranks_{ui.qp_str('ranks')}")
 text = c4.text_input("message contains")
-ranks = tuple(int(x) for x in ranks_text.replace(" ", "").split(",") if x.lstrip("-").isdigit())
+ranks_list, not_ranks = [], []
+for part in filter(None, ranks_text.replace(" ", "").split(",")):
+    # int(), not str.isdigit(): "²".isdigit() is True and int("²") raises (issue 22 #10)
+    try:
+        ranks_list.append(int(part))
+    except ValueError:
+        not_ranks.append(part)
+ranks = tuple(ranks_list)
+if not_ranks:
+    st.caption(f"ignored (not rank numbers): {', '.join(map(repr, not_ranks))}")
 logs = ctx.query(
     "log_events", t_from, t_to, klasses=tuple(klasses), severities=tuple(sevs), ranks=ranks, text=text.strip()
 )
