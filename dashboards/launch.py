@@ -1,15 +1,19 @@
 """Start the dashboard: ``streamlit run`` on :mod:`ranklens.dashboards.app` with the store URL passed
 through ``$RANKLENS_STORE``. Loopback only unless a host is given.
 
-``ranklens dashboard [--store URL] [--port P] [--host 127.0.0.1]`` calls :func:`run_dashboard`.
+``ranklens dashboard [--store URL] [--port P] [--host 127.0.0.1]`` calls :func:`run_dashboard`, which
+stops the Streamlit server when it is interrupted (Ctrl-C), terminated (SIGTERM, SIGHUP) or killed
+(the child is started with ``PR_SET_DEATHSIG`` on Linux), so no orphan keeps serving the port.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -88,8 +92,12 @@ def start_dashboard(
     *,
     stdout: IO[Any] | int | None = None,
     stderr: IO[Any] | int | None = None,
+    die_with_parent: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start the dashboard server in the background and return its process.
+
+    Args:
+        die_with_parent: on Linux, the server gets SIGTERM when this process dies, even by SIGKILL.
 
     Raises:
         ConfigError: bad host or port, or Streamlit/Plotly missing.
@@ -97,7 +105,49 @@ def start_dashboard(
     """
     _check(host, port)
     url = _resolve_store_url(store_url)
-    return subprocess.Popen(dashboard_command(host, port), env=dashboard_env(url), stdout=stdout, stderr=stderr)
+    preexec = _deathsig_preexec() if die_with_parent else None
+    return subprocess.Popen(
+        dashboard_command(host, port), env=dashboard_env(url), stdout=stdout, stderr=stderr, preexec_fn=preexec
+    )
+
+
+def _deathsig_preexec() -> Any:
+    """A ``preexec_fn`` asking Linux to send the child SIGTERM when its parent dies (None elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:  # pragma: no cover - no libc to call
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_DEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(0)
+
+    return preexec
+
+
+class _Terminated(Exception):
+    """SIGTERM/SIGHUP reached ``run_dashboard``."""
+
+
+def _on_signal(signum: int, _frame: Any) -> None:
+    raise _Terminated(signum)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def run_dashboard(store_url: str | None = None, host: str = "127.0.0.1", port: int = 8501) -> int:
@@ -112,15 +162,20 @@ def run_dashboard(store_url: str | None = None, host: str = "127.0.0.1", port: i
         ConfigError: bad host or port, or Streamlit/Plotly missing.
         StoreUnavailable, SchemaVersionError: the store cannot be used.
     """
-    proc = start_dashboard(store_url, host, port)
-    print(f"ranklens dashboard: http://{host}:{port}/  (Ctrl-C stops it)", file=sys.stderr)
+    # SIGTERM (kill, systemd, Kubernetes) and SIGHUP stop the server like Ctrl-C: without this the
+    # parent died and its Streamlit child kept serving the port (issue 22 #10).
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    proc: subprocess.Popen[bytes] | None = None
     try:
+        proc = start_dashboard(store_url, host, port, die_with_parent=True)
+        print(f"ranklens dashboard: http://{host}:{port}/  (Ctrl-C stops it)", file=sys.stderr)
         return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    except (KeyboardInterrupt, _Terminated):
         return 0
+    finally:
+        for s, h in previous.items():  # a second SIGTERM kills us; PR_SET_DEATHSIG then stops the child
+            signal.signal(s, h)
+        if proc is not None:
+            _stop(proc)
