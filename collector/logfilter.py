@@ -44,9 +44,14 @@ __all__ = [
     "classify_paths",
 ]
 
-MAX_LINE_BYTES = 1 << 20  # a longer "line" (no newline in sight) is cut and processed in pieces
+# A longer line is cut there and the rest of it, up to its newline, skipped (counted in bytes_cut):
+# memory stays flat however long a line without a newline grows (issue 22, defect 4).
+MAX_LINE_BYTES = 1 << 20
+# A block (traceback, trailers) still being written is closed once this much waits on it.
+MAX_DEFER_BYTES = 8 << 20
 MAX_EVENT_LINES = 400  # a traceback longer than this is cut (the rest is dropped and counted)
 MAX_EVENT_CHARS = 64 * 1024
+CUT_MARK = " [... truncated by ranklens]"  # ends an event's message that was cut
 MAX_CONTEXT_CHARS = 1000  # per context line
 MAX_GROUPS = 1024  # distinct events held for collapsing before the oldest is released
 MAX_TRAILER_LINES = 200
@@ -149,7 +154,8 @@ class FilterStats:
     events: int = 0
     repeats_collapsed: int = 0
     lines_dropped_by_rule: int = 0
-    lines_truncated: int = 0
+    lines_truncated: int = 0  # lines longer than MAX_LINE_BYTES, cut there
+    bytes_cut: int = 0  # the bytes cut off those lines (skipped, not read)
     kept_by_class: dict[str, int] = field(default_factory=dict)
     events_by_class: dict[str, int] = field(default_factory=dict)
 
@@ -163,6 +169,7 @@ class FilterStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.lines_dropped_by_rule += other.lines_dropped_by_rule
         self.lines_truncated += other.lines_truncated
+        self.bytes_cut += other.bytes_cut
         for mine, theirs in ((self.kept_by_class, other.kept_by_class), (self.events_by_class, other.events_by_class)):
             for k, v in theirs.items():
                 mine[k] = mine.get(k, 0) + v
@@ -211,7 +218,9 @@ class StreamFilter:
 
     Call :meth:`feed` with new bytes, then :meth:`flush` to get the events (repeats are collapsed
     until then). ``pending_bytes`` is what has been fed but not processed yet (a partial last line,
-    or a traceback still being written): a tailer commits its offset minus that.
+    or a traceback still being written): a tailer commits its offset minus that. ``skipping`` is
+    true while the rest of a cut line is being skipped (pending is empty then): a tailer that
+    resumes at that offset sets it again.
     """
 
     def __init__(self, lf: LogFilter, *, source: str = "", stream: str = "", rank: int = -1) -> None:
@@ -222,6 +231,7 @@ class StreamFilter:
         self.stats = FilterStats()
         self._ctx = b""  # already processed lines kept for context
         self._pending = b""  # fed, not processed yet
+        self.skipping = False  # inside a line cut at MAX_LINE_BYTES: drop bytes up to its newline
         self._buf = bytearray()
         self._class_cache: dict[str, Rule | None] = {}
         self._groups: dict[tuple[str, str], _Group] = {}
@@ -268,24 +278,41 @@ class StreamFilter:
     def _process(self, work: Any, start: int, valid: int, now_ns: int | None, idle: bool, eof: bool) -> None:
         if now_ns is None:
             now_ns = time.time_ns()
-        if eof and valid > start and work[valid - 1] != 10:
+        st = self.stats
+        if self.skipping:  # the rest of a cut line: drop it up to its newline (pending is empty)
+            nl = work.find(b"\n", start, valid)
+            if nl < 0:
+                st.bytes_cut += valid - start
+                self.skipping = not eof
+                return
+            st.bytes_cut += nl - start
+            self.skipping = False
+            work = bytes(work[:start]) + bytes(work[nl + 1 : valid])
+            valid = len(work)
+        if len(self._pending) > MAX_DEFER_BYTES:
+            idle = True  # a block that waited this long is not a real traceback any more: close it
+        last = max(work.rfind(b"\n", start, valid) + 1, start)  # where the partial last line starts
+        if valid - last > MAX_LINE_BYTES:
+            # no newline in sight: keep the line's head, skip the rest up to its newline, and close
+            # what is open (nothing continues across a cut line), so nothing else waits on it
+            cut = last + MAX_LINE_BYTES
+            st.lines_truncated += 1
+            st.bytes_cut += valid - cut
+            work = bytes(work[:cut]) + b"\n"
+            valid = cut + 1
+            idle = True
+            self.skipping = not eof
+        elif eof and valid > start and work[valid - 1] != 10:
             work = bytes(work[:valid]) + b"\n"
             valid += 1
         limit = work.rfind(b"\n", start, valid) + 1
         if limit <= start:
-            if valid - start <= MAX_LINE_BYTES:
-                self._pending = bytes(work[start:valid])
-                return
-            # no newline in sight: cut the line and go on
-            cut = start + MAX_LINE_BYTES
-            work = bytes(work[:cut]) + b"\n" + bytes(work[cut:valid])
-            valid += 1
-            limit = cut + 1
-            self.stats.lines_truncated += 1
+            self._pending = bytes(work[start:valid])
+            return
         cands = self._lf.scanner.candidates(work, start, limit)
         end, n_lines = self._extract(work, start, limit, cands, idle, now_ns)
-        self.stats.lines_read += n_lines
-        self.stats.bytes_read += end - start
+        st.lines_read += n_lines
+        st.bytes_read += end - start
         self._pending = bytes(work[end:valid])
         self._ctx = self._context_tail(work, end)
 
@@ -404,7 +431,7 @@ class StreamFilter:
                     best.klass,
                     best.severity.value,
                     best.name,
-                    text[:MAX_EVENT_CHARS],
+                    text if len(text) <= MAX_EVENT_CHARS else text[:MAX_EVENT_CHARS] + CUT_MARK,
                     line_no + 1,
                     work.count(b"\n", ls, end),
                     1,

@@ -8,6 +8,12 @@ JSON state file (written to a temporary file, fsynced, renamed) only *after* the
 them are durably in the outbox, so a crash re-reads at most the lines since the last commit and
 never skips one. A state entry also holds a fingerprint of the file's first bytes, so a recycled
 inode is not mistaken for the old file.
+
+A line longer than :data:`~ranklens.collector.logfilter.MAX_LINE_BYTES` (a process writing a huge
+blob without a newline) is cut there: its head is filtered like any line, the rest is skipped up to
+its newline without being held in memory, and the cut lines and bytes are stored in ``drops``
+(``log_lines_truncated``, ``log_bytes_cut``). An offset saved inside such a line says so, so a
+restart goes on skipping instead of reading the tail as a new line.
 """
 
 from __future__ import annotations
@@ -112,6 +118,7 @@ class _File:
     sf: StreamFilter
     offset: int  # bytes read
     committed: int  # offset whose events are durable
+    skip: bool = False  # the committed offset is inside a cut line (see StreamFilter.skipping)
     fingerprint: str = ""
     rotated: bool = False  # no glob matches it any more (renamed away or deleted): drain, then close
     drained: bool = False  # rotated and read to its end: closed after the next commit
@@ -210,7 +217,9 @@ class Tailer:
             )
             return {}
 
-    def _save_state(self, offsets: dict[tuple[int, int], int], staged: Sequence[str] = ()) -> None:
+    def _save_state(
+        self, offsets: dict[tuple[int, int], int], staged: Sequence[str] = (), skips: set[tuple[int, int]] | None = None
+    ) -> None:
         if not self.state_path:
             return
         entries = list(self._known.values())[-MAX_KNOWN:]
@@ -219,7 +228,7 @@ class Tailer:
             n = int(f.fingerprint.split(":", 1)[0]) if f.fingerprint else 0
             if n < min(off, FINGERPRINT_BYTES):
                 f.fingerprint = _fingerprint(f.fh, off)
-            entries.append({**_entry(f), "offset": off})
+            entries.append({**_entry(f), "offset": off, "skip": f.skip if skips is None else key in skips})
         body = json.dumps({"version": STATE_VERSION, "files": entries, "staged": list(staged)}, indent=0)
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_name(f".{self.state_path.name}.tmp")
@@ -231,7 +240,16 @@ class Tailer:
 
     # --- discovery ------------------------------------------------------------------------
 
-    def _open(self, path: str, st: os.stat_result, source: LogSource, *, offset: int, fingerprint: str = "") -> None:
+    def _open(
+        self,
+        path: str,
+        st: os.stat_result,
+        source: LogSource,
+        *,
+        offset: int,
+        fingerprint: str = "",
+        skip: bool = False,
+    ) -> None:
         if len(self._files) >= self.max_files:
             if not self._warned_full:
                 log.warning("ranklens collector: following %d files already; %s and others wait", self.max_files, path)
@@ -248,7 +266,8 @@ class Tailer:
             offset = 0
         fh.seek(offset)
         sf = self.filter.stream(source=path, stream=source.stream, rank=source.rank_of(path))
-        f = _File(path, st.st_dev, st.st_ino, fh, source, sf, offset, offset)
+        sf.skipping = skip = skip and offset > 0
+        f = _File(path, st.st_dev, st.st_ino, fh, source, sf, offset, offset, skip)
         f.fingerprint = _fingerprint(fh, max(offset, 1)) if offset else ""
         self._files[(st.st_dev, st.st_ino)] = f
 
@@ -273,7 +292,14 @@ class Tailer:
                     continue
                 saved = self._known.pop(key, None)
                 if saved is not None:
-                    self._open(path, st, source, offset=int(saved["offset"]), fingerprint=saved.get("fingerprint", ""))
+                    self._open(
+                        path,
+                        st,
+                        source,
+                        offset=int(saved["offset"]),
+                        fingerprint=saved.get("fingerprint", ""),
+                        skip=bool(saved.get("skip")),
+                    )
                 elif self._first_scan and source.start_at == "end":
                     self._open(path, st, source, offset=st.st_size)
                 else:
@@ -305,7 +331,12 @@ class Tailer:
                         break
                     del self._known[key]
                     self._open(
-                        e.path, st, source, offset=int(saved["offset"]), fingerprint=saved.get("fingerprint", "")
+                        e.path,
+                        st,
+                        source,
+                        offset=int(saved["offset"]),
+                        fingerprint=saved.get("fingerprint", ""),
+                        skip=bool(saved.get("skip")),
                     )
                     if key in self._files:
                         self._files[key].rotated = True
@@ -335,6 +366,7 @@ class Tailer:
                 f.fh.seek(0)
                 f.offset = 0
                 f.committed = 0  # rows before the cut keep flowing; the new content starts at 0
+                f.sf.skipping = f.skip = False
                 f.fingerprint = ""
             got = 0
             while got < self.max_bytes_per_poll:
@@ -379,6 +411,7 @@ class Tailer:
                 ("log_lines_dropped", d.lines_dropped),
                 ("log_lines_dropped_by_rule", d.lines_dropped_by_rule),
                 ("log_lines_truncated", d.lines_truncated),
+                ("log_bytes_cut", d.bytes_cut),
             ):
                 if n:
                     drops.append(
@@ -406,7 +439,8 @@ class Tailer:
                 if drops:
                     self.sink("drops", drops)
             offsets = {key: f.offset - f.sf.pending_bytes for key, f in self._files.items()}
-            self._save_state(offsets, staged=[p.name for p in staged])
+            skips = {key for key, f in self._files.items() if f.sf.skipping}
+            self._save_state(offsets, staged=[p.name for p in staged], skips=skips)
         except (OSError, ValueError) as e:
             result.error = f"{type(e).__name__}: {e}"
             log.error("ranklens collector: cannot commit log events (%s): re-reading from the last commit", e)
@@ -421,6 +455,7 @@ class Tailer:
         for f, d in deltas:
             f.reported.add(d)
             f.committed = offsets[(f.dev, f.ino)]
+            f.skip = f.sf.skipping
             total.add(d)
             if f.drained:  # done with it; remember where it ended in case it shows up again
                 self._known[(f.dev, f.ino)] = _entry(f)
@@ -442,6 +477,7 @@ class Tailer:
             f.fh.seek(f.committed)
             f.offset = f.committed
             f.sf = self.filter.stream(source=f.path, stream=f.source.stream, rank=f.sf.rank)
+            f.sf.skipping = f.skip
             f.reported = FilterStats()
             f.drained = False
             f.idle_flushed = False
@@ -462,7 +498,14 @@ class Tailer:
 
 
 def _entry(f: _File) -> dict[str, Any]:
-    return {"path": f.path, "dev": f.dev, "ino": f.ino, "offset": f.committed, "fingerprint": f.fingerprint}
+    return {
+        "path": f.path,
+        "dev": f.dev,
+        "ino": f.ino,
+        "offset": f.committed,
+        "fingerprint": f.fingerprint,
+        "skip": f.skip,
+    }
 
 
 def _delta(now: FilterStats, before: FilterStats) -> FilterStats:
@@ -474,6 +517,7 @@ def _delta(now: FilterStats, before: FilterStats) -> FilterStats:
         repeats_collapsed=now.repeats_collapsed - before.repeats_collapsed,
         lines_dropped_by_rule=now.lines_dropped_by_rule - before.lines_dropped_by_rule,
         lines_truncated=now.lines_truncated - before.lines_truncated,
+        bytes_cut=now.bytes_cut - before.bytes_cut,
     )
     for src, dst, prev in (
         (now.kept_by_class, d.kept_by_class, before.kept_by_class),

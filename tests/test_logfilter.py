@@ -204,7 +204,10 @@ def test_overlong_line_without_newline_is_cut_and_counted():
 
     sf = LogFilter().stream()
     sf.feed(b"x" * (logfilter.MAX_LINE_BYTES + 10))
-    assert sf.stats.lines_truncated == 1 and sf.pending_bytes == 10
+    assert sf.stats.lines_truncated == 1 and sf.stats.bytes_cut == 10
+    assert sf.pending_bytes == 0 and sf.skipping  # the rest of the line is skipped, not held
+    sf.feed(b"y" * 5 + b"\nnext\n")
+    assert sf.stats.bytes_cut == 15 and not sf.skipping and sf.stats.lines_read == 2
 
 
 def test_user_rules_from_toml_add_drop_and_disable(tmp_path):

@@ -255,3 +255,167 @@ def test_a_crash_inside_a_commit_gives_each_event_exactly_once(tmp_path, logs, m
     _cycle(t2)
     assert _spool_messages(out2) == ["one", "two"]
     assert not [q for q in out2.dir.iterdir() if q.name.startswith(".")]
+
+
+# --- a long line without a newline (issue 22, defect 4) -------------------------------------------
+
+
+def _write_long_line(p: Path, nbytes: int, head: bytes = b"") -> None:
+    chunk = b"x" * (1 << 20)
+    with open(p, "ab") as f:
+        f.write(head)
+        left = nbytes - len(head)
+        while left > 0:
+            f.write(chunk[: min(left, len(chunk))])
+            left -= len(chunk)
+
+
+def test_a_long_line_is_cut_marked_counted_and_skipped_in_flat_memory(tmp_path, logs):
+    from ranklens.collector import logfilter
+
+    p = logs / "rank-0.log"
+    _append(p, OOM + " before")
+    n = 40 << 20
+    _write_long_line(p, n, head=(ERR + " huge ").encode())
+    sink = Sink()
+    t = _tailer(tmp_path, sink)
+    t.poll()
+    r = t.commit()
+    # the line before is not held back by the unfinished line after it
+    assert len(sink.messages()) == 2 and sink.messages()[0] == OOM + " before"
+    cut = sink.messages()[1]
+    assert cut.startswith(ERR + " huge x") and cut.endswith(logfilter.CUT_MARK)
+    assert len(cut) == logfilter.MAX_EVENT_CHARS + len(logfilter.CUT_MARK)
+    assert r.error is None and t.files == [str(p)]
+    f = next(iter(t._files.values()))
+    assert f.sf.pending_bytes == 0 and f.sf.skipping  # nothing of the line is held
+    _append(p, "", ERR + " after")  # the newline that ends the long line, then a line
+    _cycle(t)
+    assert sink.messages()[-1] == ERR + " after"
+    drops = {}
+    for d in sink.rows["drops"]:
+        drops[d["what"]] = drops.get(d["what"], 0) + d["count"]
+    assert drops["log_lines_truncated"] == 1
+    assert drops["log_bytes_cut"] == n - logfilter.MAX_LINE_BYTES
+
+
+def test_a_restart_inside_a_cut_line_goes_on_skipping(tmp_path, logs):
+    from ranklens.collector import logfilter
+
+    p = logs / "rank-0.log"
+    _append(p, OOM + " before")
+    _write_long_line(p, 3 * logfilter.MAX_LINE_BYTES, head=(ERR + " huge ").encode())
+    sink = Sink()
+    t = _tailer(tmp_path, sink)
+    _cycle(t)
+    state = json.loads((tmp_path / "state" / "tailer.json").read_text())
+    assert state["files"][0]["skip"] is True
+    t.close()
+    _write_long_line(p, 2 * logfilter.MAX_LINE_BYTES)  # the same line goes on while the collector is down
+    _append(p, " tail of the long line " + ERR, OOM + " after")
+    t2 = _tailer(tmp_path, sink)  # the restarted collector
+    _cycle(t2)
+    msgs = sink.messages()
+    assert len(msgs) == 3 and msgs[0] == OOM + " before" and msgs[2] == OOM + " after"  # no tail as a new line
+    cut = sum(d["count"] for d in sink.rows["drops"] if d["what"] == "log_bytes_cut")
+    assert cut == 5 * logfilter.MAX_LINE_BYTES + len(" tail of the long line " + ERR) - logfilter.MAX_LINE_BYTES
+
+
+def _vm_kb(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {key} in /proc/{pid}/status")
+
+
+# The collector's own peak RSS (Python, pyarrow, the store client) is ~100-170 MB here; before the
+# fix a 200 MB line took it past 900 MB (300 MB: 1.38 GB). Flat memory means the line adds only the
+# read buffer (a few MiB) and the 1 MiB head it keeps.
+COLLECTOR_PEAK_RSS_MB = 300
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["embedded", pytest.param("server", marks=pytest.mark.server)])
+def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines_flowing(
+    tmp_path, logs, backend, request
+):
+    """The real `ranklens collector`: an error line, then 200 MB without a newline while the
+    collector runs, then the newline and another error line."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ranklens.collector import logfilter
+    from ranklens.store import open_store
+
+    url = f"embedded://{tmp_path / 'store'}" if backend == "embedded" else request.getfixturevalue("server_db_url")
+    open_store(url).close()  # the schema
+    cfg = tmp_path / "collector.toml"
+    cfg.write_text(
+        "[collector]\nship_interval_s = 0.2\ncommit_interval_s = 0.2\nlog_poll_interval_s = 0.05\n"
+        'host = "node-long"\nnvml = false\n'
+    )
+    root = Path(__file__).resolve().parents[1]
+    err_log = tmp_path / "collector.log"
+    p = logs / "rank-0.log"
+    _append(p, OOM + " before")
+    with open(err_log, "w") as err:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-c", "from ranklens.cli import main; main()", "collector", "--store", url),
+                *("--config", str(cfg), "--spool", str(tmp_path / "spool"), "--logs", str(logs / "*.log")),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**os.environ, "PYTHONPATH": str(root)},
+        )
+
+    def messages() -> list[str]:
+        s = open_store(url, create=False)
+        try:
+            return [m for (m,) in s.query("SELECT message FROM log_events ORDER BY ts_ns").rows()]
+        finally:
+            s.close()
+
+    def wait_for(cond, what: str, timeout: float = 60.0) -> float:
+        t0 = time.monotonic()
+        while not cond():
+            assert proc.poll() is None, err_log.read_text()[-3000:]
+            assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}: {err_log.read_text()[-2000:]}"
+            time.sleep(0.1)
+        return time.monotonic() - t0
+
+    try:
+        wait_for(lambda: OOM + " before" in messages(), "the first line to be stored")
+        base_kb = _vm_kb(proc.pid, "VmHWM")
+        n = 200 << 20
+        t0 = time.monotonic()
+        _write_long_line(p, n, head=(ERR + " huge ").encode())
+        _append(p, "", ERR + " after")  # the newline that ends it, then a line
+        wait_for(lambda: ERR + " after" in messages(), "the line after the long one to be stored")
+        took = time.monotonic() - t0
+        peak_kb = _vm_kb(proc.pid, "VmHWM")
+        msgs = messages()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    assert rc == 0, err_log.read_text()[-3000:]
+    print(
+        f"{backend}: collector peak RSS {base_kb // 1024} MB before the 200 MB line, {peak_kb // 1024} MB after; "
+        f"line written and the next line stored in {took:.1f} s"
+    )
+    assert peak_kb < COLLECTOR_PEAK_RSS_MB * 1024, f"collector peak RSS {peak_kb // 1024} MB"
+    assert msgs[0] == OOM + " before" and msgs[-1] == ERR + " after" and len(msgs) == 3
+    assert msgs[1].startswith(ERR + " huge xxx") and msgs[1].endswith(logfilter.CUT_MARK)
+    s = open_store(url, create=False)
+    try:
+        drops = dict(
+            s.query(
+                "SELECT what, sum(count) FROM drops WHERE component = 'log_filter' "
+                "AND what IN ('log_lines_truncated', 'log_bytes_cut') GROUP BY what"
+            ).rows()
+        )
+    finally:
+        s.close()
+    assert drops == {"log_lines_truncated": 1, "log_bytes_cut": n - logfilter.MAX_LINE_BYTES}
