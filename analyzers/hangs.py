@@ -26,16 +26,26 @@ durations. The findings are the same whether dumps came as pickle or JSON.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cmp_to_key
 from typing import Any
 
 from ranklens.analyzers.findings import Finding, Severity, Suspect, finding_id
-from ranklens.collector.flight_recorder import FRDump, FREntry, ProcessGroupInfo, infer_process_groups
+from ranklens.collector.flight_recorder import (
+    FRDump,
+    FREntry,
+    ProcessGroupInfo,
+    UnreadableDump,
+    infer_process_groups,
+    infer_world_size,
+)
+from ranklens.store.api import Store
+from ranklens.store.api import sql_escape as _esc
 
-__all__ = ["GroupProgress", "analyze_flight_recorder", "group_progress"]
+__all__ = ["GroupProgress", "analyze_flight_recorder", "group_progress", "steps_from_store"]
 
 DETECTOR = "flight_recorder"
 # Ops whose input shapes must agree on every member; others (gather, scatter, all_to_all, p2p)
@@ -214,12 +224,15 @@ def _progress(g: ProcessGroupInfo, ranks: dict[int, _Rank]) -> list[GroupProgres
     return out
 
 
-def group_progress(dumps: Sequence[FRDump], *, world_size: int | None = None) -> list[GroupProgress]:
+def group_progress(
+    dumps: Sequence[FRDump], *, world_size: int | None = None, known_ranks: Iterable[int] = ()
+) -> list[GroupProgress]:
     """The pending collectives of every process group: who entered, who did not, who completed.
 
     Args:
         dumps: one dump per rank of a job attempt (ranks without a dump are simply absent).
-        world_size: the number of ranks; default: highest rank seen + 1.
+        world_size: the number of ranks; default: inferred (see :func:`analyze_flight_recorder`).
+        known_ranks: ranks whose dump exists but cannot be read.
 
     Returns:
         One :class:`GroupProgress` per (process group, seq) some member has not entered (or, when
@@ -229,7 +242,7 @@ def group_progress(dumps: Sequence[FRDump], *, world_size: int | None = None) ->
         ValueError: two dumps of the same rank.
     """
     ranks = _index(dumps)
-    groups, _ = infer_process_groups(dumps, world_size)
+    groups, _ = infer_process_groups(dumps, world_size, known_ranks=known_ranks)
     return [p for g in groups.values() for p in _progress(g, ranks)]
 
 
@@ -382,16 +395,22 @@ def analyze_flight_recorder(
     world_size: int | None = None,
     job_id: str = "",
     attempt: int = 0,
+    unreadable: Sequence[UnreadableDump] = (),
+    step_of: Callable[[str, int], int | None] | None = None,
 ) -> list[Finding]:
     """Findings (hang, crash, desync, size_mismatch) from the dumps of one job attempt.
 
     Args:
-        dumps: one dump per rank (see :func:`ranklens.collector.flight_recorder.load_dumps`);
+        dumps: one dump per rank (see :func:`ranklens.collector.flight_recorder.read_dumps`);
             ranks that left no dump are absent.
-        world_size: the number of ranks; default: the highest rank seen + 1 (pass it, or a
-            missing dump of the last rank goes unnoticed).
+        world_size: the number of ranks; default: inferred from the dumps' process-group tables
+            and group sizes (see :func:`~ranklens.collector.flight_recorder.infer_process_groups`).
         job_id: the job, for the findings' ids.
         attempt: the restart attempt, for the findings' ids.
+        unreadable: dumps that could not be read (truncated, corrupt): their ranks exist, but
+            nothing is known of them; they are named as such, never as ranks that left no dump.
+        step_of: the training step of a ``(pg name, seq)`` when something else knows it (e.g.
+            :func:`steps_from_store` over the job's arrival ledger); FR itself has no steps.
 
     Returns:
         Findings, origins only (downstream symptoms are in their evidence), most certain first;
@@ -401,28 +420,101 @@ def analyze_flight_recorder(
         ValueError: two dumps of the same rank.
     """
     ranks = _index(dumps)
-    groups, world = infer_process_groups(dumps, world_size)
+    bad = {u.rank: u for u in unreadable if u.rank is not None and u.rank not in ranks}
+    groups, world = infer_process_groups(dumps, world_size, known_ranks=bad)
+    _, world_source = infer_world_size(dumps, world_size, known_ranks=bad)
     progress = [p for g in groups.values() for p in _progress(g, ranks)]
     last_ns = max((e.time_created_ns for d in dumps for e in d.entries[-1:]), default=0)
     context = {
         "world_size": world,
-        "world_size_source": "given" if world_size is not None else "highest dumped rank + 1",
+        "world_size_source": world_source,
         "dumped_ranks": sorted(ranks),
-        "missing_dumps": sorted(set(range(world)) - set(ranks)),
+        "missing_dumps": sorted(set(range(world)) - set(ranks) - set(bad)),
+        "unreadable_dumps": [{"rank": u.rank, "path": u.path, "error": u.error} for u in unreadable],
         "backend": next((d.backend for d in dumps if d.backend), ""),
         "notes": [_RETIRED_NOTE],
     }
     findings = _mismatches(ranks, groups, context, job_id, attempt, last_ns)
-    for f in _pending_findings(progress, ranks, context, job_id, attempt, last_ns):
+    for f in _pending_findings(progress, ranks, context, job_id, attempt, last_ns, set(bad)):
         # A rank already blamed for a mismatch usually stalls its peers afterwards: one finding.
         same = next((m for m in findings if {s.rank for s in f.suspects} <= {s.rank for s in m.suspects}), None)
-        if same is None:
+        cause = None if same is not None or f.kind != "crash" else _mismatch_behind(f, findings, set(bad))
+        if same is None and cause is None:
             findings.append(f)
-        else:
+        elif same is not None:
             same.evidence.setdefault("related", []).append(
                 {"kind": f.kind, "title": f.title, "pg": f.evidence["pg"], "seq": f.evidence["seq"]}
             )
+        else:
+            findings[findings.index(cause)] = _with_victims(cause, f)
+    if step_of is not None:
+        findings = [_with_step(f, step_of) for f in findings]
     return sorted(findings, key=lambda f: (-f.confidence, f.title))
+
+
+def _mismatch_behind(crash: Finding, mismatches: list[Finding], unreadable: set[int]) -> Finding | None:
+    """The mismatched collective that a rank without a dump most likely died of: one of its own
+    group at or before the collective it is missing from. A backend aborts the process that
+    receives more data than it posted a buffer for (gloo: "Received data size doesn't match
+    expected size", SIGABRT), so that rank is a victim of the peer that passed the wrong size;
+    it must not be blamed as the cause."""
+    dead = {s.rank for s in crash.suspects} - unreadable
+    if not dead:
+        return None
+    pg, seq = crash.evidence["pg"]["name"], crash.evidence["seq"]
+    for m in mismatches:
+        if m.evidence["pg"]["name"] == pg and m.evidence["seq"] <= seq and dead <= set(m.evidence["pg"]["members"]):
+            return m
+    return None
+
+
+def _with_victims(cause: Finding, crash: Finding) -> Finding:
+    dead = sorted(s.rank for s in crash.suspects)
+    ev = dict(cause.evidence)
+    ev["victims"] = [
+        *ev.get("victims", []),
+        *(
+            {
+                "rank": r,
+                "dump": None,
+                "why": f"left no dump after {cause.kind.replace('_', ' ')} #{cause.evidence['seq']} of its group: "
+                "a backend aborts a rank that receives data of another size than it expects (gloo: "
+                "\"Received data size doesn't match expected size\", SIGABRT), so it died of the culprit's call",
+            }
+            for r in dead
+        ),
+    ]
+    ev.setdefault("related", []).append(
+        {"kind": crash.kind, "title": crash.title, "pg": crash.evidence["pg"], "seq": crash.evidence["seq"]}
+    )
+    who = "it was" if len(dead) == 1 else "they were"
+    title = f"{cause.title}; {_fmt_ranks(dead)} left no dump: {who} most likely aborted by it (a victim, not the cause)"
+    return dataclasses.replace(cause, title=title, evidence=ev)
+
+
+def _with_step(f: Finding, step_of: Callable[[str, int], int | None]) -> Finding:
+    pg = f.evidence.get("pg") or {}
+    step = step_of(str(pg.get("name", "")), int(f.evidence.get("seq", -1)))
+    if step is None or step < 0:
+        return f
+    ev = {**f.evidence, "step": step, "step_source": "arrival ledger (the collectives table) of the job"}
+    return dataclasses.replace(f, first_seen_step=step, last_seen_step=step, evidence=ev)
+
+
+def steps_from_store(store: Store, job_id: str, attempt: int = 0) -> Callable[[str, int], int | None]:
+    """The training step of a ``(pg, seq)`` from the job's arrival ledger: the step during which
+    the members entered that collective, else the newest step at which any member entered an
+    earlier one of the group (the culprit never entered the collective itself). None when the
+    ledger has no step for the group (no such job in the store, or no steps marked)."""
+
+    def step_of(pg: str, seq: int) -> int | None:
+        n, top = store.query(
+            f"SELECT count(), max(step) FROM collectives WHERE job_id = '{_esc(job_id)}' "
+            f"AND attempt = {int(attempt)} AND pg = '{_esc(pg)}' AND seq <= {int(seq)} AND step >= 0"
+        ).rows()[0]
+        return int(top) if n else None
+
+    return step_of
 
 
 def _pending_findings(
@@ -432,6 +524,7 @@ def _pending_findings(
     job_id: str,
     attempt: int,
     last_ns: int,
+    unreadable: set[int] | frozenset[int] = frozenset(),
 ) -> list[Finding]:
     # Who is each missing rank waiting for? A missing rank in flight in a pending collective is
     # blocked by that collective's missing ranks; one not in flight anywhere (or without a dump)
@@ -451,7 +544,9 @@ def _pending_findings(
                 if not e.is_p2p and (e.pg_name, e.collective_seq_id) in pending_at
             ]
     blockers = {r: {b for q in qs for b in (*q.missing, *q.no_dump) if b != r} for r, qs in blocked_in.items()}
-    roots = {r for r in missing_from if not blockers.get(r)}
+    # A rank whose dump cannot be read is not known to be free: it is no root while the readable
+    # dumps explain the standstill, only when nothing else does.
+    roots = {r for r in missing_from if not blockers.get(r) and r not in unreadable}
     # Ranks that can reach a root through "blocked by" are victims of it.
     waited_by: dict[int, list[int]] = defaultdict(list)
     for r, bs in blockers.items():
@@ -464,7 +559,7 @@ def _pending_findings(
             if v not in roots and v not in victims:
                 victims.add(v)
                 todo.append(v)
-    cyclic = set(missing_from) - roots - victims
+    cyclic = set(missing_from) - roots - victims - set(unreadable)
     deviation: dict[int, tuple[bool | None, FREntry | None]] = {
         r: _expected_next(ranks[r].dump.entries) for r in cyclic
     }
@@ -475,6 +570,8 @@ def _pending_findings(
         top = max(weight.values())
         diverged = {r for r in cyclic if weight[r] == top}
     culprits = roots | diverged
+    if not culprits:
+        culprits = roots = {r for r in missing_from if r in unreadable}
     # One finding per culprit: at the first collective it is missing from (where others wait).
     home = {r: _first_missed(missing_from[r], ranks) for r in culprits}
     origins = list({id(p): p for p in home.values()}.values())
@@ -487,7 +584,9 @@ def _pending_findings(
             for q in progress
             if all(q is not o for o in origins) and _reaches(set(q.missing) | set(q.no_dump), blockers, culprits, p)
         ]
-        crashed = [r for r in p.no_dump if r in culprits and home[r] is p]
+        no_dump = [r for r in p.no_dump if r in culprits and home[r] is p]
+        crashed = [r for r in no_dump if r not in unreadable]
+        garbled = [r for r in no_dump if r in unreadable]
         hung = [r for r in p.missing if r in roots and home[r] is p]
         desynced = [r for r in p.missing if r in diverged and r not in roots and home[r] is p]
         what = f"{p.op} #{p.seq} of {_pg_label(p.pg)}"
@@ -523,6 +622,37 @@ def _pending_findings(
                     title,
                     crashed,
                     f"{p.pg.name}#{p.seq}:{crashed}",
+                    ev,
+                    job_id,
+                    attempt,
+                    p.waiting_since_ns,
+                    last_ns,
+                )
+            )
+        if garbled:
+            ev = {
+                **ev_base,
+                "culprits": [{"rank": r, "dump": "unreadable"} for r in garbled],
+                "consequences": consequences,
+                "cannot_know": (
+                    f"the dump of {_fmt_ranks(garbled)} cannot be read (see unreadable_dumps): whether it "
+                    "entered this collective, and why its dump is damaged (it may have died while writing it), "
+                    "is unknown"
+                ),
+            }
+            title = (
+                f"{_fmt_ranks(garbled)} never completed {what} as far as the other dumps tell, and "
+                f"{'its dump is' if len(garbled) == 1 else 'their dumps are'} unreadable"
+                + (f"; {waiting} {'is' if len(p.in_flight) == 1 else 'are'} waiting in it" if p.in_flight else "")
+            )
+            findings.append(
+                _finding(
+                    "crash",
+                    Severity.WARNING,
+                    0.5 if p.in_flight else 0.3,
+                    title,
+                    garbled,
+                    f"{p.pg.name}#{p.seq}:{garbled}:unreadable",
                     ev,
                     job_id,
                     attempt,

@@ -43,7 +43,9 @@ import json
 import math
 import pickle
 import re
+import reprlib
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,12 +61,16 @@ __all__ = [
     "FRPGConfig",
     "FRPGStatus",
     "ProcessGroupInfo",
+    "UnreadableDump",
     "infer_job_id",
     "infer_process_groups",
+    "infer_world_size",
     "ingest_flight_recorder",
+    "job_from_path",
     "load_dump",
     "load_dumps",
     "parse_dump",
+    "read_dumps",
     "safe_unpickle",
     "to_collective_rows",
     "to_process_group_rows",
@@ -94,6 +100,16 @@ _DTYPES: dict[str, tuple[str, int]] = {
     "Float8_e5m2fnuz": ("float8_e5m2fnuz", 1),
     "Float8_e4m3fnuz": ("float8_e4m3fnuz", 1),
 }
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxstring = 3, 6, 6, 4, 40
+
+
+def _short(v: Any, limit: int) -> str:
+    """A bounded repr for error messages: never recurses deeper than a few levels (a deeply
+    nested value in a hostile dump must not raise RecursionError while we describe it)."""
+    return _SHORT.repr(v)[:limit]
+
+
 _DUMP_NAME = re.compile(r"^(?!\.).*?(\d+)(\.json|\.pkl|\.pickle)?$")
 _ALLOWED = (dict, list, tuple, str, int, float, bool, bytes, type(None))
 
@@ -275,18 +291,24 @@ def load_dump(path: str | Path, *, rank: int | None = None) -> FRDump:
         raise IngestError(str(p), "", f"cannot read: {e.strerror or e}") from None
     if not data:
         raise IngestError(str(p), "", "empty file (a dump interrupted before it was written?)")
-    if _looks_like_json(p, data):
-        fmt = "json"
-        try:
-            obj = json.loads(data.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise IngestError(str(p), f"byte {e.start}", "not UTF-8 text, so not a JSON dump") from None
-        except json.JSONDecodeError as e:
-            raise IngestError(str(p), f"line {e.lineno} column {e.colno}", f"not valid JSON ({e.msg})") from None
-    else:
-        fmt = "pickle"
-        obj = safe_unpickle(data, str(p))
-    return parse_dump(obj, source_path=str(p), rank=rank, fmt=fmt)
+    try:
+        if _looks_like_json(p, data):
+            fmt = "json"
+            try:
+                obj = json.loads(data.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise IngestError(str(p), f"byte {e.start}", "not UTF-8 text, so not a JSON dump") from None
+            except json.JSONDecodeError as e:
+                raise IngestError(str(p), f"line {e.lineno} column {e.colno}", f"not valid JSON ({e.msg})") from None
+        else:
+            fmt = "pickle"
+            obj = safe_unpickle(data, str(p))
+        return parse_dump(obj, source_path=str(p), rank=rank, fmt=fmt)
+    except RecursionError:
+        # json.loads recurses per nesting level; a real dump is a few levels deep
+        raise IngestError(
+            str(p), "", "nested too deeply to be a flight-recorder dump (a real dump is a few levels deep)"
+        ) from None
 
 
 def _dump_files(directory: Path) -> list[Path]:
@@ -296,6 +318,15 @@ def _dump_files(directory: Path) -> list[Path]:
         if q.is_file() and not any(part.startswith(".") for part in q.relative_to(directory).parts)
         if _DUMP_NAME.match(q.name)
     )
+
+
+@dataclass(frozen=True, slots=True)
+class UnreadableDump:
+    """A dump file that could not be read: its rank when the file name tells it, and why."""
+
+    path: str
+    rank: int | None
+    error: str
 
 
 def load_dumps(paths: str | Path | Sequence[str | Path]) -> list[FRDump]:
@@ -315,6 +346,23 @@ def load_dumps(paths: str | Path | Sequence[str | Path]) -> list[FRDump]:
         IngestError: a missing path, no dump found, a malformed dump, or two dumps of one rank
             (e.g. a directory holding both the pickle and the JSON dumps: point at one of them).
     """
+    return _read_dumps(paths, strict=True)[0]
+
+
+def read_dumps(paths: str | Path | Sequence[str | Path]) -> tuple[list[FRDump], list[UnreadableDump]]:
+    """Like :func:`load_dumps`, but a dump that cannot be read (truncated, corrupt, hostile) does
+    not stop the others: it is returned, with its rank when its name tells it, and the error.
+
+    Returns:
+        ``(readable dumps sorted by rank, unreadable dumps)``.
+
+    Raises:
+        IngestError: a missing path, no dump found, or two dumps of one rank.
+    """
+    return _read_dumps(paths, strict=False)
+
+
+def _read_dumps(paths: str | Path | Sequence[str | Path], *, strict: bool) -> tuple[list[FRDump], list[UnreadableDump]]:
     items = [paths] if isinstance(paths, (str, Path)) else list(paths)
     files: list[Path] = []
     for item in map(Path, items):
@@ -330,8 +378,15 @@ def load_dumps(paths: str | Path | Sequence[str | Path]) -> list[FRDump]:
     if not files:
         raise IngestError("<none>", "", "no flight-recorder dump paths given")
     by_rank: dict[int, FRDump] = {}
+    bad: list[UnreadableDump] = []
     for f in files:
-        d = load_dump(f)
+        try:
+            d = load_dump(f)
+        except IngestError as e:
+            if strict:
+                raise
+            bad.append(UnreadableDump(str(f), _rank_from_name(f), str(e)))
+            continue
         if d.rank in by_rank:
             raise IngestError(
                 str(f),
@@ -340,7 +395,7 @@ def load_dumps(paths: str | Path | Sequence[str | Path]) -> list[FRDump]:
                 "(a folder with both fr_pickle/ and fr_json/ holds each rank twice: point at one)",
             )
         by_rank[d.rank] = d
-    return [by_rank[r] for r in sorted(by_rank)]
+    return [by_rank[r] for r in sorted(by_rank)], bad
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -370,9 +425,9 @@ class _Fields:
             try:
                 return int(v)
             except ValueError:
-                raise self.fail(f"field {key!r} must be an integer, got {v!r:.60}") from None
+                raise self.fail(f"field {key!r} must be an integer, got {_short(v, 60)}") from None
         if isinstance(v, bool) or not isinstance(v, int):
-            raise self.fail(f"field {key!r} must be an integer, got {type(v).__name__} {v!r:.60}")
+            raise self.fail(f"field {key!r} must be an integer, got {type(v).__name__} {_short(v, 60)}")
         return v
 
     def as_str(self, key: str, required: bool = True, default: str = "") -> str:
@@ -380,13 +435,13 @@ class _Fields:
         if v is None:
             return default
         if not isinstance(v, str):
-            raise self.fail(f"field {key!r} must be a string, got {type(v).__name__} {v!r:.60}")
+            raise self.fail(f"field {key!r} must be a string, got {type(v).__name__} {_short(v, 60)}")
         return v
 
     def as_bool(self, key: str, required: bool = True, default: bool = False) -> bool:
         v = self.get(key, required, default)
         if not isinstance(v, bool):
-            raise self.fail(f"field {key!r} must be true or false, got {type(v).__name__} {v!r:.60}")
+            raise self.fail(f"field {key!r} must be true or false, got {type(v).__name__} {_short(v, 60)}")
         return v
 
     def sizes(self, key: str) -> tuple[tuple[int, ...], ...]:
@@ -394,13 +449,13 @@ class _Fields:
         if not isinstance(v, (list, tuple)) or not all(
             isinstance(s, (list, tuple)) and all(type(n) is int for n in s) for s in v
         ):
-            raise self.fail(f"field {key!r} must be a list of shapes (lists of integers), got {v!r:.80}")
+            raise self.fail(f"field {key!r} must be a list of shapes (lists of integers), got {_short(v, 80)}")
         return tuple(tuple(s) for s in v)
 
     def strs(self, key: str) -> tuple[str, ...]:
         v = self.get(key, False, [])
         if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
-            raise self.fail(f"field {key!r} must be a list of strings, got {v!r:.80}")
+            raise self.fail(f"field {key!r} must be a list of strings, got {_short(v, 80)}")
         return tuple(v)
 
 
@@ -411,7 +466,7 @@ def _parse_entry(obj: Any, source: str, i: int) -> FREntry:
     f = _Fields(obj, source, where)
     pg = f.get("process_group")
     if not (isinstance(pg, (list, tuple)) and len(pg) == 2 and all(isinstance(x, str) for x in pg)):
-        raise f.fail(f"field 'process_group' must be a (name, desc) pair of strings, got {pg!r:.80}")
+        raise f.fail(f"field 'process_group' must be a (name, desc) pair of strings, got {_short(pg, 80)}")
     profiling_name = f.as_str("profiling_name")
     frames_raw = f.get("frames", False, []) or []
     if not isinstance(frames_raw, (list, tuple)):
@@ -480,7 +535,7 @@ def parse_dump(obj: Any, *, source_path: str = "<memory>", rank: int | None = No
     top = _Fields(obj, src, "top level")
     version = top.get("version")
     if not isinstance(version, (str, int, float)) or isinstance(version, bool):
-        raise top.fail(f"field 'version' must be a string, got {version!r:.60}")
+        raise top.fail(f"field 'version' must be a string, got {_short(version, 60)}")
     entries_raw = top.get("entries")
     if not isinstance(entries_raw, (list, tuple)):
         raise top.fail(f"field 'entries' must be a list, got {type(entries_raw).__name__}")
@@ -514,7 +569,7 @@ def parse_dump(obj: Any, *, source_path: str = "<memory>", rank: int | None = No
         try:
             ranks = _parse_ranks(cf.get("ranks", False, []))
         except TypeError:
-            raise cf.fail(f"field 'ranks' must list integers, got {cfg.get('ranks')!r:.80}") from None
+            raise cf.fail(f"field 'ranks' must list integers, got {_short(cfg.get('ranks'), 80)}") from None
         if key == "" and not ranks:
             continue  # gloo's placeholder {'': {'name': '', 'desc': '', 'ranks': '[]'}}
         config.append(FRPGConfig(str(key), cf.as_str("desc", False), ranks))
@@ -553,46 +608,129 @@ def _is_default(name: str, desc: str) -> bool:
     return desc == DEFAULT_PG_DESC or (name == "0" and not desc)
 
 
+_GATHER_OPS = frozenset(
+    {"all_gather", "allgather", "_allgather_base", "all_gather_into_tensor", "all_gather_into_tensor_coalesced"}
+)
+_SCATTER_OPS = frozenset(
+    {"reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"}
+)
+
+
+def _group_size_hint(entries: Iterable[FREntry]) -> int:
+    """A group's size from its own entries: an all-gather's output is the group size times its
+    input (a reduce-scatter's input the group size times its output). 0 when nothing tells."""
+    found: Counter[int] = Counter()
+    for e in entries:
+        if e.op not in _GATHER_OPS and e.op not in _SCATTER_OPS:
+            continue
+        n_in = sum(math.prod(s) for s in e.input_sizes)
+        n_out = sum(math.prod(s) for s in e.output_sizes)
+        big, small = (n_out, n_in) if e.op in _GATHER_OPS else (n_in, n_out)
+        if small > 0 and big % small == 0 and big // small >= 2:
+            found[big // small] += 1
+    return found.most_common(1)[0][0] if found else 0
+
+
+def infer_world_size(
+    dumps: Sequence[FRDump], world_size: int | None = None, *, known_ranks: Iterable[int] = ()
+) -> tuple[int, str]:
+    """The world size of a job attempt and how it was found (see :func:`infer_process_groups`)."""
+    return _infer(dumps, world_size, known_ranks)[1:]
+
+
 def infer_process_groups(
-    dumps: Sequence[FRDump], world_size: int | None = None
+    dumps: Sequence[FRDump], world_size: int | None = None, *, known_ranks: Iterable[int] = ()
 ) -> tuple[dict[str, ProcessGroupInfo], int]:
     """Members of every process group seen in the dumps, and the world size.
 
-    Members come from ``pg_config`` when it lists ranks (NCCL); the default group holds every
-    rank of the world; otherwise (gloo) the members are the ranks that have entries of the group,
-    so a group whose only other members left no dump looks smaller than it is.
+    The world size is, in this order: the one given; the membership of the default group in the
+    dumps' process-group table (``pg_config``; gloo fills it, under the key ``''``, while the job
+    has no other group); the highest rank ``pg_config`` lists; else the highest rank that dumped,
+    raised to what the groups' own sizes require (an all-gather's output is the group size times
+    its input: a group with fewer ranks seen than that is missing ranks that left no dump).
+
+    Members come from ``pg_config`` when it lists them (NCCL); the default group holds every
+    rank of the world; otherwise (gloo) the members are the ranks that have entries of the
+    group, completed by the ranks without a dump when the group's size says how many are missing
+    and exactly that many ranks left no dump.
 
     Args:
         dumps: the dumps of one job attempt.
-        world_size: the number of ranks, when known; default: the highest rank seen + 1 (a
-            missing dump of the *last* rank is invisible without it).
+        world_size: the number of ranks, when known.
+        known_ranks: ranks known to exist that have no readable dump (e.g. a truncated one).
 
     Returns:
         ``({pg name: ProcessGroupInfo}, world size)``.
     """
+    groups, world, _ = _infer(dumps, world_size, known_ranks)
+    return groups, world
+
+
+def _infer(
+    dumps: Sequence[FRDump], world_size: int | None, known_ranks: Iterable[int]
+) -> tuple[dict[str, ProcessGroupInfo], int, str]:
     config: dict[str, FRPGConfig] = {}
     descs: dict[str, str] = {}
     seen: dict[str, set[int]] = {}
-    highest = -1
+    entries: dict[str, list[FREntry]] = {}
+    dumped = {d.rank for d in dumps}
+    known = dumped | set(known_ranks)
     for d in dumps:
-        highest = max(highest, d.rank)
         for c in d.pg_config:
             config.setdefault(c.pg_name, c)
-            highest = max(highest, -1, *c.ranks)
         for e in d.entries:
             descs.setdefault(e.pg_name, e.pg_desc)
             seen.setdefault(e.pg_name, set()).add(d.rank)
-    world = world_size if world_size is not None else highest + 1
+            if d.rank == min(seen[e.pg_name]):
+                entries.setdefault(e.pg_name, []).append(e)
+    default = next(
+        (
+            n
+            for n in sorted({*seen, *config})
+            if _is_default(n, descs.get(n) or (config[n].desc if n in config else ""))
+        ),
+        None,
+    )
+    world_cfg = (config.get(default) if default is not None else None) or config.get("")
+    hints = {n: _group_size_hint(es) for n, es in entries.items()}
+    if world_size is not None:
+        world, source = world_size, "given"
+    elif world_cfg is not None and world_cfg.ranks:
+        world, source = max(world_cfg.ranks) + 1, "process-group table (pg_config) of the default group"
+        world = max(world, max(known, default=-1) + 1)
+    elif any(c.ranks for c in config.values()):
+        world = max(max(known, default=-1), *(max(c.ranks) for c in config.values() if c.ranks)) + 1
+        source = "process-group table (pg_config): highest member + 1"
+    else:
+        world, source = max(known, default=-1) + 1, "highest dumped rank + 1"
+        need = max(
+            [hints.get(default, 0) if default else 0]
+            # a group's unseen members are ranks without a readable dump; other groups' may be the same ranks
+            + [len(dumped) + h - len(seen[n]) for n, h in hints.items() if n != default and h > len(seen[n])]
+        )
+        if need > world:
+            world, source = need, "group sizes in the dumps (all-gather output / input)"
+    no_dump = sorted(set(range(world)) - dumped)
     groups: dict[str, ProcessGroupInfo] = {}
-    for name in sorted({*seen, *config}, key=lambda s: (len(s), s)):
+    # pg_config's '' key is no group of its own: gloo's table of the default group
+    for name in sorted({*seen, *(n for n in config if n)}, key=lambda s: (len(s), s)):
         desc = descs.get(name) or (config[name].desc if name in config else "")
         if name in config and config[name].ranks:
             groups[name] = ProcessGroupInfo(name, desc, config[name].ranks, "pg_config")
-        elif _is_default(name, desc):
+        elif name == default:
             groups[name] = ProcessGroupInfo(name, desc, tuple(range(world)), "default group (world)")
         else:
-            groups[name] = ProcessGroupInfo(name, desc, tuple(sorted(seen[name])), "inferred from entries")
-    return groups, world
+            members = set(seen[name])
+            h = hints.get(name, 0)
+            how = "inferred from entries"
+            if h > len(members):
+                if len(no_dump) == h - len(members):
+                    members |= set(no_dump)
+                    how = f"inferred from entries; its size ({h}) says the ranks without a dump are members"
+                else:
+                    how = f"inferred from entries; its size is {h}: {h - len(members)} member(s) left no dump"
+            groups[name] = ProcessGroupInfo(name, desc, tuple(sorted(members)), how)
+    return groups, world, source
 
 
 def _dtype(fr_name: str) -> tuple[str, int]:
@@ -697,6 +835,26 @@ def infer_job_id(dumps: Sequence[FRDump]) -> str:
             first = e.time_created_ns if not first else min(first, e.time_created_ns)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(first / 1e9)) if first else "unknown"
     return f"fr-{stamp}-{h.hexdigest()[:6]}"
+
+
+def job_from_path(paths: Iterable[str | Path]) -> tuple[str, int] | None:
+    """The job and attempt of dumps written by ranklens' tracer, from where they lie:
+    ``<spool>/<job>/<attempt>/fr/fr_trace_rank_<r>.json``. None when the dumps are elsewhere or
+    the paths disagree.
+
+    Args:
+        paths: the dump files (``FRDump.source_path`` values).
+
+    Returns:
+        ``(job id, attempt)`` or None.
+    """
+    found = set()
+    for p in map(Path, paths):
+        fr, attempt = p.parent, p.parent.parent
+        if fr.name != "fr" or not attempt.name.isdigit() or not attempt.parent.name:
+            return None
+        found.add((attempt.parent.name, int(attempt.name)))
+    return found.pop() if len(found) == 1 else None
 
 
 def ingest_flight_recorder(

@@ -272,7 +272,7 @@ def analyze(
         raise click.UsageError("--metrics-port goes with --follow")
 
     if fr_dir is not None:
-        _analyze_flight_recorder(store_url, fr_dir, job_id, attempt or 0, world_size, as_json, no_save)
+        _analyze_flight_recorder(store_url, fr_dir, job_id, attempt, world_size, as_json, no_save)
         return
     store = _open(store_url, create=False)
     if job_id is None:
@@ -405,22 +405,37 @@ def _analyze_flight_recorder(
     store_url: str | None,
     fr_dir: str,
     job_id: str | None,
-    attempt: int,
+    attempt: int | None,
     world_size: int | None,
     as_json: bool,
     no_save: bool,
 ) -> None:
     from ranklens.analyzers import save_findings
-    from ranklens.analyzers.hangs import analyze_flight_recorder, group_progress
-    from ranklens.collector.flight_recorder import infer_job_id, load_dumps
+    from ranklens.analyzers.hangs import analyze_flight_recorder, steps_from_store
+    from ranklens.collector.flight_recorder import infer_job_id, infer_world_size, job_from_path, read_dumps
+    from ranklens.errors import IngestError
 
-    dumps = load_dumps(fr_dir)
+    dumps, unreadable = read_dumps(fr_dir)  # one damaged dump does not hide the others
     if not dumps:
-        raise NotFound(f"no flight-recorder dumps under {fr_dir} (files named like fr_trace_rank_<r>[.json])")
-    job_id = job_id or infer_job_id(dumps)
-    findings = analyze_flight_recorder(dumps, world_size=world_size, job_id=job_id, attempt=attempt)
-    if store_url and not no_save:  # post-mortem needs no store; save only into one named
-        save_findings(_open(store_url), findings)
+        first = unreadable[0] if unreadable else None
+        raise IngestError(first.path if first else fr_dir, "", first.error if first else "no readable dump")
+    # dumps written by ranklens' tracer lie in <spool>/<job>/<attempt>/fr/: that is their job
+    from_path = job_from_path([d.source_path for d in dumps])
+    job_id = job_id or (from_path[0] if from_path else infer_job_id(dumps))
+    if attempt is None:
+        attempt = from_path[1] if from_path and from_path[0] == job_id else 0
+    store = _open(store_url, create=False) if store_url else None
+    step_of = steps_from_store(store, job_id, attempt) if store is not None else None
+    findings = analyze_flight_recorder(
+        dumps, world_size=world_size, job_id=job_id, attempt=attempt, unreadable=unreadable, step_of=step_of
+    )
+    known = {u.rank for u in unreadable if u.rank is not None}
+    world, world_source = infer_world_size(dumps, world_size, known_ranks=known)
+    no_dump = sorted(set(range(world)) - {d.rank for d in dumps} - known)
+    # post-mortem needs no store; save only into one named, and only from complete input (exit 6
+    # means nothing was written)
+    if store is not None and not no_save and not unreadable:
+        save_findings(store, findings)
     if as_json:
         click.echo(
             json.dumps(
@@ -428,21 +443,50 @@ def _analyze_flight_recorder(
                     "job_id": job_id,
                     "attempt": attempt,
                     "dumps": [d.rank for d in dumps],
+                    "world_size": world,
+                    "world_size_source": world_source,
+                    "missing_dumps": no_dump,
+                    "unreadable_dumps": [{"path": u.path, "rank": u.rank, "error": u.error} for u in unreadable],
                     "findings": [f.to_json() for f in findings],
                 },
                 default=_json_default,
             )
         )
-        return
-    click.echo(f"{len(dumps)} flight-recorder dump(s) from ranks {', '.join(str(d.rank) for d in dumps)}; job {job_id}")
-    pending = group_progress(dumps, world_size=world_size)
+    else:
+        _print_fr_report(dumps, unreadable, no_dump, world, world_source, job_id, world_size, findings)
+    if unreadable:
+        click.echo(
+            f"ranklens: error: {len(unreadable)} flight-recorder dump(s) could not be read (the others were "
+            "analysed; nothing was saved): " + "; ".join(u.error for u in unreadable),
+            err=True,
+        )
+        sys.exit(IngestError.exit_code)
+
+
+def _print_fr_report(
+    dumps: list[Any],
+    unreadable: list[Any],
+    no_dump: list[int],
+    world: int,
+    world_source: str,
+    job_id: str,
+    world_size: int | None,
+    findings: list[Any],
+) -> None:
+    from ranklens.analyzers.hangs import group_progress
+
+    def ranks(rs: Any) -> str:
+        return ", ".join(map(str, rs)) or "-"
+
+    click.echo(f"{len(dumps)} flight-recorder dump(s) from ranks {ranks(d.rank for d in dumps)}; job {job_id}")
+    click.echo(f"world size {world} ({world_source}); no dump from ranks: {ranks(no_dump)}")
+    for u in unreadable:
+        click.echo(f"unreadable dump{'' if u.rank is None else f' of rank {u.rank}'}: {u.error}")
+    known = {u.rank for u in unreadable if u.rank is not None}
+    pending = group_progress(dumps, world_size=world_size, known_ranks=known)
     if pending:
         click.echo("Pending collectives:")
     for g in pending:
-
-        def ranks(rs: tuple[int, ...]) -> str:
-            return ", ".join(map(str, rs)) or "-"
-
         click.echo(
             f"  {g.pg.desc or g.pg.name} (pg {g.pg.name}, ranks {ranks(g.pg.members)}): {g.op} #{g.seq} "
             f"{[list(x) for x in g.input_sizes]}: entered {ranks(g.entered)}; in flight {ranks(g.in_flight)}; "
@@ -453,7 +497,8 @@ def _analyze_flight_recorder(
         return
     click.echo(f"\nFindings ({len(findings)}):")
     for f in findings:
-        click.echo(f"  [{f.severity.value.upper()}] {f.kind}: {f.title}")
+        step = f" (step {f.first_seen_step})" if f.first_seen_step >= 0 else ""
+        click.echo(f"  [{f.severity.value.upper()}] {f.kind}{step}: {f.title}")
         action = f.evidence.get("action")
         if action:
             click.echo(f"      recommended: {action} ({f.evidence.get('action_reason', '')})")

@@ -437,3 +437,129 @@ def test_nccl_style_dumps_use_pg_config_and_completion_times(tmp_path):
     rows = to_collective_rows(dumps, "j")
     assert {r["end_ns"] - r["enter_ns"] for r in rows if r["end_ns"] > 0} == {5_000}
     assert sum(r["end_ns"] == 0 for r in rows) == 1  # rank 3's seq 29
+
+
+# ------------------------------------------------ post-mortems: world, victims, damaged dumps
+
+
+def _copy(src: Path, dst: Path, ranks=None) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if ranks is None or int(f.name.split("_")[-1].split(".")[0]) in ranks:
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from ranklens.cli import cli
+
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_world_size_and_members_from_group_sizes_when_the_last_rank_left_no_dump(tmp_path):
+    # The healthy job without rank 3's dump: gloo's pg_config is empty, but every tp/dp group's
+    # all_gather output is twice its input, so tp_1 = [2, ?] and dp_1 = [1, ?] miss one rank each.
+    from ranklens.collector.flight_recorder import infer_process_groups, infer_world_size
+
+    dumps = load_dumps(_copy(DATA / "healthy" / "fr_json", tmp_path / "fr", ranks={0, 1, 2}))
+    world, source = infer_world_size(dumps)
+    assert (world, source) == (4, "group sizes in the dumps (all-gather output / input)")
+    groups, _ = infer_process_groups(dumps)
+    truth = _truth("healthy")["process_groups"]
+    assert {g.desc: list(g.members) for g in groups.values()} == {g["desc"]: g["ranks"] for g in truth.values()}
+    [f] = analyze_flight_recorder(dumps)
+    assert [s.rank for s in f.suspects] == [3] and f.evidence["missing_dumps"] == [3]
+    assert f.evidence["world_size"] == 4 and f.evidence["world_size_source"] == source
+    text = _cli("analyze", "--flight-recorder", str(tmp_path / "fr")).output
+    assert "world size 4 (group sizes in the dumps" in text and "no dump from ranks: 3" in text
+
+
+def test_world_size_from_the_default_groups_process_group_table(tmp_path):
+    # gloo lists the default group's ranks under pg_config[''] while the job has no subgroup
+    src = DATA / "size_mismatch_abort" / "fr_json"
+    dumps = load_dumps(_copy(src, tmp_path / "fr", ranks={0, 2}))  # ranks 1 and 3 left no dump
+    assert dumps[0].pg_config[0].pg_name == "" and dumps[0].pg_config[0].ranks == (0, 1, 2, 3)
+    from ranklens.collector.flight_recorder import infer_process_groups, infer_world_size
+
+    assert infer_world_size(dumps) == (4, "process-group table (pg_config) of the default group")
+    groups, _ = infer_process_groups(dumps)
+    assert list(groups) == ["0"]  # the '' key is the default group's table, not a group of its own
+    assert [(p.pg.name, p.seq) for p in group_progress(dumps)] == [("0", 4)]
+
+
+def test_rank_aborted_by_a_peers_size_mismatch_is_a_victim_not_the_cause():
+    truth = _truth("size_mismatch_abort")
+    dumps = load_dumps(DATA / "size_mismatch_abort" / "fr_json")
+    assert [d.rank for d in dumps] == truth["dumped_ranks"]
+    [f] = analyze_flight_recorder(dumps)
+    assert (f.kind, [s.rank for s in f.suspects]) == ("size_mismatch", truth["culprit_ranks"])
+    assert (f.evidence["pg"]["desc"], f.evidence["seq"]) == (truth["pg"], truth["collective_seq_id"])
+    assert [v["rank"] for v in f.evidence["victims"]] == truth["victim_ranks"]
+    assert f.evidence["missing_dumps"] == truth["missing_dump_ranks"]
+    assert "rank 1 left no dump" in f.title and "victim, not the cause" in f.title
+    assert f.evidence["related"][0]["kind"] == "crash"  # what it would have been blamed for
+
+
+@pytest.mark.parametrize(("damaged", "culprit"), [(0, 2), (2, 2)])
+def test_one_truncated_dump_is_reported_and_the_others_analysed(tmp_path, damaged, culprit):
+    from ranklens.collector.flight_recorder import read_dumps
+
+    fr = _copy(DATA / "desync" / "fr_pickle", tmp_path / "fr")
+    bad = fr / f"fr_trace_rank_{damaged}"
+    bad.write_bytes(bad.read_bytes()[:1000])
+    dumps, unreadable = read_dumps(fr)
+    assert [d.rank for d in dumps] == sorted({0, 1, 2, 3} - {damaged})
+    [u] = unreadable
+    assert (u.path, u.rank) == (str(bad), damaged) and "truncated" in u.error
+    [f] = analyze_flight_recorder(dumps, unreadable=unreadable)
+    assert [s.rank for s in f.suspects] == [culprit] and (f.evidence["pg"]["desc"], f.evidence["seq"]) == (
+        "default_pg",
+        35,
+    )
+    assert f.evidence["unreadable_dumps"][0]["rank"] == damaged and f.evidence["missing_dumps"] == []
+    if damaged == culprit:  # nothing else explains the standstill: named, with what cannot be known
+        assert "unreadable" in f.title and f.confidence <= 0.5 and "cannot be read" in f.evidence["cannot_know"]
+    else:  # the readable dumps explain it: the rank with the damaged dump is not blamed
+        assert f.kind == "desync" and f.confidence >= 0.9
+    r = _cli("analyze", "--flight-recorder", str(fr), "--json")
+    assert r.exit_code == 6
+    out = json.loads(r.stdout)
+    assert [s["rank"] for s in out["findings"][0]["suspects"]] == [culprit]
+    assert out["unreadable_dumps"][0]["path"] == str(bad)
+    assert "could not be read (the others were analysed" in r.stderr and str(bad) in r.stderr
+
+
+def test_deeply_nested_json_dump_is_bad_input_exit_6_and_the_others_are_analysed(tmp_path):
+    fr = _copy(DATA / "desync" / "fr_json", tmp_path / "fr")
+    deep = fr / "fr_trace_rank_1.json"
+    deep.write_text('{"version": "2.10", "entries": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    with pytest.raises(IngestError, match="nested too deeply") as e:
+        load_dump(deep)
+    assert e.value.path == str(deep)
+    r = _cli("analyze", "--flight-recorder", str(fr), "--json")
+    assert r.exit_code == 6, r.output
+    assert "nested too deeply" in r.stderr and "Traceback" not in r.output
+    out = json.loads(r.stdout)
+    assert out["dumps"] == [0, 2, 3]
+    assert [(f["kind"], [s["rank"] for s in f["suspects"]]) for f in out["findings"]] == [("desync", [2])]
+    # a nested value inside a field is described without recursing
+    obj = json.loads((DATA / "desync" / "fr_json" / "fr_trace_rank_1.json").read_text())
+    nested: list = []
+    for _ in range(100_000):
+        nested = [nested]
+    obj["entries"][0]["input_sizes"] = nested
+    with pytest.raises(IngestError, match="input_sizes"):
+        parse_dump(obj, source_path="x/fr_trace_rank_1.json")
+
+
+def test_job_and_attempt_from_the_spool_path(tmp_path):
+    from ranklens.collector.flight_recorder import job_from_path
+
+    fr = _copy(DATA / "desync" / "fr_json", tmp_path / "spool" / "train-42" / "3" / "fr")
+    assert job_from_path(sorted(str(p) for p in fr.iterdir())) == ("train-42", 3)
+    assert job_from_path([str(DATA / "desync" / "fr_json" / "fr_trace_rank_0.json")]) is None
+    out = json.loads(_cli("analyze", "--flight-recorder", str(tmp_path / "spool" / "train-42"), "--json").stdout)
+    assert (out["job_id"], out["attempt"]) == ("train-42", 3)
+    assert {f["job_id"] for f in out["findings"]} == {"train-42"}
