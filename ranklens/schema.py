@@ -32,7 +32,7 @@ __all__ = [
     "table",
 ]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _SCALARS = {"Int32", "Int64", "UInt8", "UInt32", "UInt64", "Float64", "String"}
 
@@ -180,6 +180,13 @@ _table(
         _c("tokens", "Int64", "tokens in the step, -1 unknown", default=-1),
         _c("loss", "Float64", "loss, nan unknown"),
         _c("grad_norm", "Float64", "gradient norm, nan unknown"),
+        _c(
+            "source",
+            "String",
+            "where the step boundary came from: explicit (rlt.step, a trainer callback) or inferred "
+            "(optimizer steps of an unmodified script)",
+            default="explicit",
+        ),
     ],
     ("job_id", "attempt", "rank", "step"),
     "one row per rank x step",
