@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ranklens.analyzers.ranks import rank_hosts
+from ranklens.analyzers.windows import Windows, collective_windows
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
@@ -30,30 +31,46 @@ def _aligned(offsets: dict[int, int] | None) -> str:
 
 
 def blame_sql(
-    job_id: str, attempt: int, t0_ns: int, only_ranks: list[int] | None = None, offsets: dict[int, int] | None = None
+    job_id: str,
+    attempt: int,
+    t0_ns: int,
+    only_ranks: list[int] | None = None,
+    offsets: dict[int, int] | None = None,
+    windows: Windows | None = None,
 ) -> str:
     """Point-to-point transfers are left out: in a pipeline the receiver of activations waits for
     the sender by design (the pipeline bubble), which is not the sender's fault.
 
     Per (last arriver, step): the collectives it was last at, each with its last arrival and
     the mean wait of the other members. Arrival times are taken relative to ``t0_ns`` in Float64
-    so sums cannot overflow Int64 at 10,000 ranks."""
+    so sums cannot overflow Int64 at 10,000 ranks. With ``windows`` (a job whose collectives carry
+    no step) the collectives without a step are taken and "step" is the window (iteration) of the
+    collective's first arrival."""
     enter = _aligned(offsets)
+    if windows is None:
+        step_filter, at_step = "step >= 0", "c_step"
+    else:
+        step_filter, at_step = "step < 0", windows.window_of_sql("first_enter_ns")
     return f"""
 SELECT last_rank, at_step, count() AS collectives,
        groupArray(last_enter) AS last_enters, groupArray(delay_ns) AS delays, avg(members) AS avg_members
 FROM
 (
-    SELECT pg, seq,
-           argMax(rank, {enter}) AS last_rank,
-           argMax(step, {enter}) AS at_step,
-           count() AS members,
-           toFloat64(max({enter}) - {t0_ns}) AS last_enter,
-           (last_enter * count() - sum(toFloat64({enter} - {t0_ns}))) / (members - 1) AS delay_ns
-    FROM collectives
-    WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= 0 AND position(pg, '/p2p:') = 0
-    GROUP BY pg, seq
-    HAVING members >= 2
+    SELECT last_rank, {at_step} AS at_step, members, last_enter, delay_ns
+    FROM
+    (
+        SELECT pg, seq,
+               argMax(rank, {enter}) AS last_rank,
+               argMax(step, {enter}) AS c_step,
+               min(enter_ns) AS first_enter_ns,
+               count() AS members,
+               toFloat64(max({enter}) - {t0_ns}) AS last_enter,
+               (last_enter * count() - sum(toFloat64({enter} - {t0_ns}))) / (members - 1) AS delay_ns
+        FROM collectives
+        WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND {step_filter} AND position(pg, '/p2p:') = 0
+        GROUP BY pg, seq
+        HAVING members >= 2
+    )
 ){_only(only_ranks)}
 GROUP BY last_rank, at_step
 ORDER BY at_step, last_rank
@@ -97,14 +114,21 @@ ORDER BY step
 
 
 def latest_job(store: Store) -> tuple[str, int] | None:
-    """The job and attempt with the most recent step, or None for an empty store."""
-    r = store.query("SELECT job_id, attempt FROM steps ORDER BY end_ns DESC LIMIT 1")
-    if r.num_rows == 0:
-        r = store.query("SELECT job_id, attempt FROM collectives ORDER BY enter_ns DESC LIMIT 1")
-    if r.num_rows == 0:
+    """The job and attempt with the most recent activity (a step or a collective), or None for an
+    empty store. A job traced without step markers has collectives only: it is a job too."""
+    candidates = []
+    for sql in (
+        "SELECT job_id, attempt, end_ns FROM steps ORDER BY end_ns DESC LIMIT 1",
+        "SELECT job_id, attempt, enter_ns FROM collectives ORDER BY enter_ns DESC LIMIT 1",
+    ):
+        r = store.query(sql)
+        if r.num_rows:
+            job, attempt, t = r.rows()[0]
+            candidates.append((int(t), str(job), int(attempt)))
+    if not candidates:
         return None
-    job, attempt = r.rows()[0]
-    return str(job), int(attempt)
+    _t, job, attempt = max(candidates)
+    return job, attempt
 
 
 @dataclass(frozen=True)
@@ -124,6 +148,12 @@ class BlameMatrix:
     step_start_ns: np.ndarray
     hosts: dict[int, str]
     sql: str
+    step_basis: str = "steps"  # "steps"; or, without step markers, "iterations" / "windows" (analyzers.windows)
+
+    @property
+    def by_step(self) -> bool:
+        """True when the columns are steps of the job (or iterations counted from its collectives)."""
+        return self.step_basis in ("steps", "iterations")
 
 
 def compute_blame(
@@ -140,15 +170,34 @@ def compute_blame(
 
         host_offsets = clock_offsets(store, job_id, attempt)
         offsets = {r: o for r, o in rank_offsets(store, job_id, attempt, host_offsets).items() if o} or None
-    sql = blame_sql(job_id, attempt, int(t0 or 0), only_ranks, offsets)
+    with_step = store.query(
+        f"SELECT countIf(step >= 0) FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+    ).scalar()
+    windows = None if int(with_step or 0) > 0 else collective_windows(store, job_id, attempt)
+    if windows is not None and windows.empty:
+        windows = None
+    sql = blame_sql(job_id, attempt, int(t0 or 0), only_ranks, offsets, windows)
     b = store.query(sql)
-    st = store.query(step_times_sql(job_id, attempt))
     hosts = rank_hosts(store, job_id, attempt)
-    steps = (
-        st.column("step").astype(np.int64)
-        if st.num_rows
-        else np.array(sorted(set(b.column("at_step").tolist())), dtype=np.int64)
-    )
+    if windows is not None:
+        steps = np.arange(len(windows.starts_ns), dtype=np.int64)
+        step_time = windows.durations_s
+        step_start = windows.starts_ns.astype(np.int64)
+        basis = windows.basis
+    else:
+        st = store.query(step_times_sql(job_id, attempt))
+        steps = (
+            st.column("step").astype(np.int64)
+            if st.num_rows
+            else np.array(sorted(set(b.column("at_step").tolist())), dtype=np.int64)
+        )
+        if st.num_rows:
+            step_time = st.column("step_ns").astype(np.float64) / 1e9
+            step_start = st.column("first_start_ns").astype(np.int64)
+        else:
+            step_time = np.full(len(steps), np.nan)
+            step_start = np.zeros(len(steps), dtype=np.int64)
+        basis = "steps"
     ranks_seen = set(hosts) | {int(x) for x in b.column("last_rank")} if b.num_rows else set(hosts)
     ranks = np.array(sorted(ranks_seen), dtype=np.int64)
     ri = {int(r): i for i, r in enumerate(ranks)}
@@ -166,10 +215,4 @@ def compute_blame(
         delay[i, j] += d
         wait[i, j] += d * (float(members) - 1.0)
         count[i, j] += int(n)
-    if st.num_rows:
-        step_time = st.column("step_ns").astype(np.float64) / 1e9
-        step_start = st.column("first_start_ns").astype(np.int64)
-    else:
-        step_time = np.full(len(steps), np.nan)
-        step_start = np.zeros(len(steps), dtype=np.int64)
-    return BlameMatrix(job_id, attempt, ranks, steps, delay, wait, count, step_time, step_start, hosts, sql)
+    return BlameMatrix(job_id, attempt, ranks, steps, delay, wait, count, step_time, step_start, hosts, sql, basis)

@@ -38,17 +38,21 @@ class PersistentBlameDetector:
     """A rank is a straggler when, persistently, it is the rank the others wait for most, and
     that wait is a real share of the step.
 
-    A step is *hot* for rank r when r caused the largest delay of the step, the delay is at least
-    ``min_share`` of the step time and at least ``min_delay_s``. The finding spans the densest
-    run of hot steps (at least ``persistence`` of its steps hot, at least ``min_hot_steps`` hot):
-    its first step is the onset, its last step says whether the problem is still going on.
-    Ranks that arrive last by noise spread hot steps across ranks and never persist.
+    A step is *hot* for rank r when r caused the largest delay of the step, that delay is at least
+    ``dominance`` of all the step's delay (one culprit, not everybody arriving late by turns), at
+    least ``min_share`` of the step time and at least ``min_delay_s``. The finding spans the densest
+    run of hot steps (at least ``persistence`` of its steps hot, at least ``min_hot_steps`` hot),
+    trimmed to the steps at its level (:func:`_persistent_run`): its first step is the onset, its
+    last step says whether the problem is still going on. Ranks that arrive last by noise (a busy
+    host, a GC pause) spread hot steps across ranks and short runs: with four ranks, noise makes
+    one rank the top culprit three times in a row often enough; five in a row it rarely does.
     """
 
     min_share: float = 0.05
     min_delay_s: float = 0.002
     persistence: float = 0.7
-    min_hot_steps: int = 3
+    min_hot_steps: int = 5
+    dominance: float = 0.5
     name: str = "persistent_blame"
 
     def __post_init__(self) -> None:
@@ -56,6 +60,8 @@ class PersistentBlameDetector:
             raise ValueError(f"persistence={self.persistence} must be in (0, 1)")
         if self.min_share < 0 or self.min_delay_s < 0 or self.min_hot_steps < 1:
             raise ValueError("min_share and min_delay_s must be >= 0, min_hot_steps >= 1")
+        if not 0 <= self.dominance <= 1:
+            raise ValueError(f"dominance={self.dominance} must be in [0, 1]")
 
     def detect(self, blame: BlameMatrix) -> list[Detection]:
         if blame.delay_s.size == 0:
@@ -64,11 +70,18 @@ class PersistentBlameDetector:
         st = blame.step_time_s
         step_time = np.where(np.isfinite(st) & (st > 0), st, np.nan)
         top = np.argmax(delay, axis=0)
+        total = delay.sum(axis=0)
         out = []
         for i, rank in enumerate(blame.ranks):
-            share = np.nan_to_num(delay[i] / step_time)
-            hot = (top == i) & (delay[i] >= self.min_delay_s) & (share >= self.min_share)
-            seg = _persistent_run(hot, self.persistence, self.min_hot_steps)
+            with np.errstate(all="ignore"):
+                share = np.nan_to_num(delay[i] / step_time)
+            hot = (
+                (top == i)
+                & (delay[i] >= self.min_delay_s)
+                & (share >= self.min_share)
+                & (delay[i] >= self.dominance * total)
+            )
+            seg = _persistent_run(hot, self.persistence, self.min_hot_steps, delay[i])
             if seg is None:
                 continue
             start, end, n_hot = seg
@@ -77,15 +90,53 @@ class PersistentBlameDetector:
         return out
 
 
-def _persistent_run(hot: np.ndarray, persistence: float, min_hot: int) -> tuple[int, int, int] | None:
-    """The densest run of hot steps (start, end, hot steps in it) when it holds at least ``min_hot``."""
+LEVEL_TRIM = 0.5  # hot steps at the ends of a run below this share of the run's median level are left out
+
+
+def _persistent_run(
+    hot: np.ndarray, persistence: float, min_hot: int, level: np.ndarray | None = None
+) -> tuple[int, int, int] | None:
+    """The densest run of hot steps (start, end, hot steps in it) when it holds at least ``min_hot``.
+
+    With ``level`` (the per-step size of what is measured: the delay, the excess), hot steps at
+    either end of the run that are well below the run's median level are trimmed off: a 10 ms
+    blip just before a 200 ms slowdown is noise, and the onset is where the level changed."""
     if hot.sum() < min_hot:
         return None
     seg = _densest_segment(hot, persistence)
     if seg is None:
         return None
-    n_hot = int(hot[seg[0] : seg[1] + 1].sum())
-    return (seg[0], seg[1], n_hot) if n_hot >= min_hot else None
+    a, b = seg
+    if level is not None:
+        lv = np.nan_to_num(np.asarray(level, dtype=np.float64))
+        a = _change_point(lv[: b + 1], a, max(a, b - min_hot + 1))
+        idx = np.flatnonzero(hot[a : b + 1]) + a
+        if len(idx) == 0:
+            return None
+        floor = LEVEL_TRIM * float(np.median(lv[idx]))
+        keep = idx[lv[idx] >= floor]
+        if len(keep) == 0:
+            return None
+        a, b = int(keep[0]), int(keep[-1])
+    n_hot = int(hot[a : b + 1].sum())
+    if n_hot < min_hot or n_hot < persistence * (b - a + 1):
+        return None
+    return a, b, n_hot
+
+
+def _change_point(x: np.ndarray, lo: int, hi: int) -> int:
+    """The onset in ``[lo, hi]``: where a two-level fit of ``x`` (one level before, one from the
+    onset on) has the least squared error. A rank that was a little late by noise before a real
+    slowdown does not pull the onset early, as a first hot step would."""
+    if hi <= lo:
+        return lo
+    best, best_c = np.inf, lo
+    for c in range(lo, hi + 1):
+        pre, post = x[:c], x[c:]
+        sse = float(((post - post.mean()) ** 2).sum()) + (float(((pre - pre.mean()) ** 2).sum()) if len(pre) else 0.0)
+        if sse < best - 1e-15:
+            best, best_c = sse, c
+    return best_c
 
 
 def _densest_segment(hot: np.ndarray, persistence: float) -> tuple[int, int] | None:
@@ -125,9 +176,12 @@ class PeerComputeDetector:
     """A rank is a straggler when it computes persistently longer than its peers.
 
     A step is *hot* for rank r when its compute time exceeds its peer group's median by at least
-    ``min_excess_ratio`` of that median and ``min_excess_s``, and by ``z`` robust deviations
-    (MAD) of the group. As for blame, the finding spans the densest run of hot steps (share
-    ``persistence``, at least ``min_hot_steps``), which gives the onset. Waiting is not compute, so
+    ``min_excess_ratio`` of that median and ``min_excess_s``, by ``z`` robust deviations
+    (MAD) of the group at that step, and by ``pooled_z`` robust deviations of the other ranks'
+    deviations from their peers over all steps (the host's noise: on a busy host every rank's
+    compute jitters by tens of ms, and three peers can agree by chance at one step). As for blame,
+    the finding spans the densest run of hot steps (share ``persistence``, at least
+    ``min_hot_steps``), its onset refined to the change of level. Waiting is not compute, so
     victims of a slow peer are never hot; a stage that is slower by design is compared with itself.
     """
 
@@ -136,6 +190,7 @@ class PeerComputeDetector:
     z: float = 3.0
     persistence: float = 0.7
     min_hot_steps: int = 3
+    pooled_z: float = 2.0
     name: str = "peer_compute"
 
     def __post_init__(self) -> None:
@@ -170,10 +225,22 @@ class PeerComputeDetector:
                     med = np.broadcast_to(np.nanmedian(block, axis=0), block.shape)
                     mad = np.broadcast_to(np.nanmedian(np.abs(block - med), axis=0) * 1.4826, block.shape)
             excess = block - med
-            threshold = np.maximum(np.maximum(self.min_excess_ratio * med, self.min_excess_s), self.z * mad)
+            # the group's noise over the whole window: a robust spread of every rank's deviation from
+            # its peers at every step. A spread over three peers at one step is a poor estimate (on a
+            # busy host the peers can agree by chance); pooled over the steps it is a stable one.
+            # Each rank is measured against the others' noise only (a straggler's own excess would
+            # inflate the spread it is measured against).
+            pooled = np.zeros((len(idx), 1))
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                for k in range(len(idx)):
+                    others = np.delete(excess, k, axis=0)
+                    pooled[k, 0] = float(np.nanmedian(np.abs(others))) * 1.4826 if np.isfinite(others).any() else 0.0
+            floor = np.maximum(self.min_excess_ratio * med, self.min_excess_s)
+            threshold = np.maximum(np.maximum(floor, self.z * mad), self.pooled_z * np.nan_to_num(pooled))
             hot_all = np.nan_to_num(excess, nan=-1.0) >= threshold
             for k, i in enumerate(idx):
-                seg = _persistent_run(hot_all[k], self.persistence, self.min_hot_steps)
+                seg = _persistent_run(hot_all[k], self.persistence, self.min_hot_steps, excess[k])
                 if seg is None:
                     continue
                 a, b, n_hot = seg

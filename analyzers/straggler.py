@@ -39,16 +39,23 @@ def to_finding(blame: BlameMatrix, d: Detection, detector: StragglerDetector) ->
     delay_per_step = float(delay.sum() / n)
     step_mean = float(np.nanmean(step_time)) if np.isfinite(step_time).any() else float("nan")
     pct = 100.0 * delay_per_step / step_mean if step_mean and np.isfinite(step_mean) else 0.0
-    onset_step = int(blame.steps[d.onset_index])
-    last_step = int(blame.steps[d.last_index])
+    onset_step = int(blame.steps[d.onset_index]) if blame.by_step else -1
+    last_step = int(blame.steps[d.last_index]) if blame.by_step else -1
     host = blame.hosts.get(d.rank, "")
     others = len(blame.ranks) - 1
     severity = Severity.CRITICAL if pct >= CRITICAL_PCT else Severity.WARNING
     ongoing = d.last_index >= len(blame.steps) - RESOLVED_AFTER_STEPS
     confidence = round(d.persistence * min(1.0, d.hot_steps / 10.0), 3)
+    unit = {"steps": "step", "iterations": "iteration"}.get(blame.step_basis, "window")
+    if blame.step_basis == "steps":
+        since = f"since step {onset_step}"
+    elif blame.step_basis == "iterations":
+        since = f"since iteration {onset_step} (no step markers: iterations counted from the collectives)"
+    else:
+        since = f"in windows {d.onset_index}-{d.last_index} of the collective ledger (no step markers)"
     title = (
         f"rank {d.rank}{f' ({host})' if host else ''} is a straggler: other ranks waited "
-        f"{_duration(delay_per_step)}/step for it, {pct:.0f}% of step time, since step {onset_step}"
+        f"{_duration(delay_per_step)}/{unit} for it, {pct:.0f}% of {unit} time, {since}"
     )
     per_step = [
         {"step": int(s), "delay_s": round(float(x), 6), "step_time_s": round(float(t), 6)}
@@ -75,6 +82,8 @@ def to_finding(blame: BlameMatrix, d: Detection, detector: StragglerDetector) ->
         impact_gpu_s=float(blame.wait_s[i, sl].sum()),
         step_time_pct=pct,
         evidence={
+            "step_basis": blame.step_basis,
+            "phase": "",
             "delay_per_step_s": round(delay_per_step, 6),
             "mean_step_time_s": round(step_mean, 6),
             "hot_steps": d.hot_steps,
@@ -87,7 +96,7 @@ def to_finding(blame: BlameMatrix, d: Detection, detector: StragglerDetector) ->
             "sql": blame.sql,
             "thresholds": {
                 k: getattr(detector, k)
-                for k in ("min_share", "min_delay_s", "persistence", "min_hot_steps")
+                for k in ("min_share", "min_delay_s", "dominance", "persistence", "min_hot_steps")
                 if hasattr(detector, k)
             },
         },
@@ -116,28 +125,43 @@ def to_peer_finding(
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: steps not reported yet
         step_mean = float(np.nanmean(np.nanmedian(cm.step_s[:, sl], axis=0)))
-    pct = 100.0 * excess_per_step / step_mean if step_mean and np.isfinite(step_mean) else 0.0
     host = cm.hosts.get(d.rank, "")
     world = len(cm.ranks)
     positive = {k: v for k, v in phases.items() if v > 0}
     phase = max(positive, key=lambda k: positive[k]) if positive else ""
     waited = None
+    waited_gpu = 0.0
     if blame is not None and d.rank in set(blame.ranks.tolist()):
         bi = int(np.searchsorted(blame.ranks, d.rank))
         cols = [j for j, s in enumerate(blame.steps) if int(steps[0]) <= int(s) <= int(steps[-1])]
         if cols:
             waited = float(blame.delay_s[bi, cols].sum() / len(cols))
+            waited_gpu = float(blame.wait_s[bi, cols].sum() / len(cols))
+    seen = _step_excess_seen(cm, d.onset_index, d.last_index)
+    # What the rank cost the job: the time the others waited for it (or, where the ledger cannot
+    # show it, e.g. a pipeline's p2p, the step-time rise the job saw), never more than its excess.
+    # A rank that computes longer but that nobody waits for costs (almost) nothing.
+    if waited is None and seen is None:
+        cost, basis = excess_per_step, "compute_excess"
+    else:
+        cost = min(excess_per_step, max(waited or 0.0, seen or 0.0))
+        basis = "others_waited" if (waited or 0.0) >= (seen or 0.0) else "step_time_rise"
+    pct = 100.0 * cost / step_mean if step_mean and np.isfinite(step_mean) else 0.0
     in_phase = f" in {phase}" if phase else ""
     title = (
         f"rank {d.rank}{f' ({host})' if host else ''} is a straggler{in_phase}: it computes "
-        f"{_duration(excess_per_step)}/step longer than its peers ({d.ratio - 1:+.0%}), "
-        f"{pct:.0f}% of step time, since step {int(steps[0])}"
+        f"{_duration(excess_per_step)}/step longer than its peers ({d.ratio - 1:+.0%}) since step {int(steps[0])}, "
+        f"costing the job {_duration(cost)}/step ({pct:.0f}% of step time)"
     )
     if waited is not None and waited > 0:
         title += f"; the other ranks wait {_duration(waited)}/step for it"
     ongoing = d.last_index >= len(cm.steps) - RESOLVED_AFTER_STEPS
     peers = int((cm.peer_group == cm.peer_group[i]).sum())
-    impact = float(np.clip(excess, 0, None).sum())
+    impact = cost * len(steps)
+    if basis == "others_waited" and waited:
+        impact_gpu = waited_gpu * len(steps) * min(1.0, cost / waited)
+    else:
+        impact_gpu = impact * max(world - 1, 0)
     return Finding(
         id=finding_id(cm.job_id, cm.attempt, "straggler", f"rank:{d.rank}"),
         job_id=cm.job_id,
@@ -152,10 +176,14 @@ def to_peer_finding(
         first_seen_ns=int(cm.step_start_ns[d.onset_index]),
         last_seen_ns=int(cm.step_start_ns[d.last_index]),
         impact_s=impact,
-        impact_gpu_s=impact * max(world - 1, 0),
+        impact_gpu_s=impact_gpu,
         step_time_pct=pct,
         evidence={
+            "step_basis": "steps",
             "phase": phase,
+            "cost_per_step_s": round(cost, 6),
+            "cost_basis": basis,
+            "step_time_rise_s": None if seen is None else round(seen, 6),
             "phase_excess_s": {k: round(v, 6) for k, v in sorted(phases.items())},
             "excess_per_step_s": round(excess_per_step, 6),
             "compute_ratio": round(d.ratio, 4),
@@ -171,12 +199,122 @@ def to_peer_finding(
             "sql": cm.sql,
             "thresholds": {
                 k: getattr(detector, k)
-                for k in ("min_excess_ratio", "min_excess_s", "z", "persistence", "min_hot_steps")
+                for k in ("min_excess_ratio", "min_excess_s", "z", "pooled_z", "persistence", "min_hot_steps")
             },
         },
         state="open" if ongoing else "resolved",
         detector=detector.name,
     )
+
+
+def _step_excess_seen(cm: ComputeMatrix, a: int, b: int) -> float | None:
+    """How much longer the job's steps (median over ranks) were over steps ``a..b`` than before
+    ``a``; None without at least three steps before."""
+    if a < 3:
+        return None
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        per_step = np.nanmedian(cm.step_s, axis=0)
+        before = float(np.nanmedian(per_step[:a]))
+        during = float(np.nanmedian(per_step[a : b + 1]))
+    if not (np.isfinite(before) and np.isfinite(during)):
+        return None
+    return max(0.0, during - before)
+
+
+NODE_SHARE = 0.75  # a node whose ranks are (nearly) all stragglers together is one finding about the node
+
+
+def merge_node_findings(findings: list[Finding], hosts: dict[int, str]) -> list[Finding]:
+    """All (or nearly all: ``NODE_SHARE``) ranks of one node slowed together: one finding about the
+    node, suspects ``(node,)`` with rank -1, its ranks and their findings as evidence. A node that
+    holds every rank of the job is not merged (there is no other node to compare it with)."""
+    by_host: dict[str, list[Finding]] = {}
+    for f in findings:
+        if f.kind == "straggler" and len(f.suspects) == 1 and f.suspects[0].rank >= 0 and f.suspects[0].node:
+            by_host.setdefault(f.suspects[0].node, []).append(f)
+    on_host: dict[str, list[int]] = {}
+    for r, h in hosts.items():
+        on_host.setdefault(h, []).append(r)
+    out = [f for f in findings if not any(f in fs for fs in by_host.values())]
+    for host, fs in by_host.items():
+        members = on_host.get(host, [])
+        if len(fs) < 2 or len(fs) < NODE_SHARE * len(members) or len(members) >= len(hosts):
+            out.extend(fs)
+            continue
+        out.append(_node_finding(host, fs, members))
+    return sorted(out, key=lambda f: -f.impact_s)
+
+
+def _node_finding(host: str, fs: list[Finding], members: list[int]) -> Finding:
+    fs = sorted(fs, key=lambda f: f.suspects[0].rank)
+    ranks = [f.suspects[0].rank for f in fs]
+    worst = max(fs, key=lambda f: f.impact_s)
+    phases = [str(f.evidence.get("phase") or "") for f in fs]
+    phase = max(set(phases), key=phases.count) if any(phases) else ""
+    onset = min(f.first_seen_step for f in fs)
+    per_step = [float(f.evidence.get("cost_per_step_s", f.evidence.get("delay_per_step_s", 0.0)) or 0.0) for f in fs]
+    cost = max(per_step) if per_step else 0.0
+    in_phase = f" in {phase}" if phase else ""
+    since = f"since step {onset}" if onset >= 0 else "(no step markers)"
+    title = (
+        f"node {host} is slow{in_phase}: {len(ranks)} of its {len(members)} ranks ({_rank_list(ranks)}) are slower "
+        f"than their peers on other nodes together {since}, costing the job {_duration(cost)}/step "
+        f"({worst.step_time_pct:.0f}% of step time); one cause on the node (GPU clocks, host, power), "
+        f"not {len(ranks)} ranks"
+    )
+    job, attempt = fs[0].job_id, fs[0].attempt
+    return Finding(
+        id=finding_id(job, attempt, "straggler", f"node:{host}"),
+        job_id=job,
+        attempt=attempt,
+        kind="straggler",
+        severity=max(
+            (f.severity for f in fs), key=lambda s: [Severity.INFO, Severity.WARNING, Severity.CRITICAL].index(s)
+        ),
+        confidence=round(float(np.mean([f.confidence for f in fs])), 3),
+        title=title,
+        suspects=(Suspect(rank=-1, node=host),),
+        first_seen_step=onset,
+        last_seen_step=max(f.last_seen_step for f in fs),
+        first_seen_ns=min(f.first_seen_ns for f in fs),
+        last_seen_ns=max(f.last_seen_ns for f in fs),
+        # the node's ranks run side by side: the job loses what the slowest of them costs, not the sum
+        impact_s=worst.impact_s,
+        impact_gpu_s=worst.impact_gpu_s,
+        step_time_pct=worst.step_time_pct,
+        evidence={
+            "node": host,
+            "ranks": ranks,
+            "ranks_on_node": sorted(members),
+            "phase": phase,
+            "step_basis": fs[0].evidence.get("step_basis", "steps"),
+            "cost_per_step_s": round(cost, 6),
+            "rank_findings": [
+                {
+                    "rank": f.suspects[0].rank,
+                    "first_seen_step": f.first_seen_step,
+                    "phase": f.evidence.get("phase", ""),
+                    "excess_per_step_s": f.evidence.get("excess_per_step_s", f.evidence.get("delay_per_step_s")),
+                    "cost_per_step_s": f.evidence.get("cost_per_step_s"),
+                    "confidence": f.confidence,
+                    "title": f.title,
+                }
+                for f in fs
+            ],
+            "sql": worst.evidence.get("sql", ""),
+            "thresholds": worst.evidence.get("thresholds", {}),
+        },
+        state="open" if any(f.state == "open" for f in fs) else "resolved",
+        detector=worst.detector,
+    )
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """``24-31`` for a run, ``1, 3, 5`` otherwise."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 def find_stragglers(
@@ -191,13 +329,13 @@ def find_stragglers(
     if isinstance(detector, PersistentBlameDetector) or (detector is not None and not hasattr(detector, "z")):
         blame = compute_blame(store, job_id, attempt)
         findings = [to_finding(blame, d, detector) for d in detector.detect(blame)]
-        return sorted(findings, key=lambda f: -f.impact_s)
+        return merge_node_findings(findings, blame.hosts)
     cm = compute_matrix(store, job_id, attempt, window_steps=window_steps)
     if cm.empty:
         blame_detector = PersistentBlameDetector()
         blame = compute_blame(store, job_id, attempt)
         findings = [to_finding(blame, d, blame_detector) for d in blame_detector.detect(blame)]
-        return sorted(findings, key=lambda f: -f.impact_s)
+        return merge_node_findings(findings, blame.hosts)
     peer_detector = detector or PeerComputeDetector()
     detections = peer_detector.detect(cm)
     blame = compute_blame(store, job_id, attempt, only_ranks=[d.rank for d in detections]) if detections else None
@@ -207,4 +345,4 @@ def find_stragglers(
         )
         for d in detections
     ]
-    return sorted(findings, key=lambda f: -f.impact_s)
+    return merge_node_findings(findings, cm.hosts)
