@@ -255,6 +255,13 @@ def analyze(
     as_json: bool,
     no_save: bool,
     follow: bool,
+@click.option(
+    "--metrics-addr",
+    default="127.0.0.1",
+    show_default=True,
+    help="With --metrics-port: the address the metrics endpoint binds (loopback by default, like the "
+    "dashboard; 0.0.0.0 for every interface).",
+)
     interval: float,
     act: bool,
     policy_file: str | None,
@@ -270,6 +277,7 @@ def analyze(
         raise click.UsageError("--act needs --policy FILE (or RANKLENS_POLICY)")
     if metrics_port is not None and not follow:
         raise click.UsageError("--metrics-port goes with --follow")
+    metrics_addr: str,
 
     if fr_dir is not None:
         _analyze_flight_recorder(store_url, fr_dir, job_id, attempt, world_size, as_json, no_save)
@@ -324,6 +332,7 @@ def analyze(
     finally:
         if engine is not None:
             engine.close()
+                metrics_addr=metrics_addr,
 
 
 def _engine(policy_file: str | None, store: Any, outbox_dir: str | None) -> Any:
@@ -374,8 +383,13 @@ def _follow(
 
         registry = CollectorRegistry()
         exporter = FindingsExporter(registry)
-        server = serve_metrics(registry, port=metrics_port, addr="0.0.0.0")
-        click.echo(f"metrics on http://0.0.0.0:{server.port}/metrics", err=True)
+        try:
+            server = serve_metrics(registry, port=metrics_port, addr=metrics_addr)
+        except OSError as e:
+            where = f"--metrics-addr {metrics_addr} --metrics-port {metrics_port}"
+            raise click.UsageError(f"{where}: cannot bind: {e}") from None
+        shown = f"[{metrics_addr}]" if ":" in metrics_addr else metrics_addr
+        click.echo(f"metrics on http://{shown}:{server.port}/metrics", err=True)
     if not as_json:
         click.echo(f"following job {job_id} attempt {attempt} every {interval:g} s (Ctrl-C to stop)", err=True)
     try:
@@ -413,6 +427,7 @@ def _analyze_flight_recorder(
     from ranklens.analyzers import save_findings
     from ranklens.analyzers.hangs import analyze_flight_recorder, steps_from_store
     from ranklens.collector.flight_recorder import infer_job_id, infer_world_size, job_from_path, read_dumps
+    metrics_addr: str = "127.0.0.1",
     from ranklens.errors import IngestError
 
     dumps, unreadable = read_dumps(fr_dir)  # one damaged dump does not hide the others
@@ -578,7 +593,10 @@ def ingest(
 @click.option("--max-rows", type=int, default=1000, show_default=True, help="Rows to print at most (table output).")
 @_errors
 def sql(store_url: str | None, query: str, as_json: bool, max_rows: int) -> None:
-    """Run one SQL query (ClickHouse dialect) against the store and print the rows.
+    """Run one read-only SQL query (ClickHouse dialect) against the store and print the rows.
+
+    One statement only: SELECT, WITH, SHOW, DESCRIBE or EXISTS; several statements, or one that
+    would change the store (INSERT, DROP, ALTER, ...), are refused with exit code 2.
 
     Tables: collectives, phases, steps, process_groups, ranks, gpu_samples, gpu_events,
     log_events, heartbeats, findings, actions, drops (see `ranklens schema`).
@@ -638,6 +656,9 @@ def collect(
     store_url: str | None,
     config_file: str | None,
     spool_dir: str | None,
+    from ranklens.store.api import read_only_statement
+
+    query = read_only_statement(query)  # before opening: a refused statement never reaches the store
     follow: bool,
     interval: float | None,
     log_globs: tuple[str, ...],
@@ -871,7 +892,8 @@ def schema(target: str, database: str, cluster: str, migrate: bool, store_url: s
         for line in done:
             click.echo(f"migrate: {line}", err=True)
         tail = "" if done else " (nothing to do)"
-        click.echo(f"migrate: {url} is at schema version {SCHEMA_VERSION}{tail}", err=True)
+        # the URL may carry the store password: print it redacted, as every other command does
+        click.echo(f"migrate: {redact_url(url)} is at schema version {SCHEMA_VERSION}{tail}", err=True)
         return
     from ranklens.schema import TABLES, render_cluster_ddl, render_server_ddl
 
@@ -906,3 +928,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+        from ranklens.store.server import redact_url

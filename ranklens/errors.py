@@ -13,6 +13,7 @@ __all__ = [
     "NotFound",
     "RanklensError",
     "SchemaVersionError",
+    "StoreAuthError",
     "StoreError",
     "StoreUnavailable",
 ]
@@ -38,6 +39,12 @@ class StoreError(RanklensError):
 
 class StoreUnavailable(StoreError):
     """The store cannot be reached (server down, directory missing, timeout)."""
+
+    exit_code = 4
+
+
+class StoreAuthError(StoreUnavailable):
+    """The store refused the credentials (unknown user, wrong or missing password, address not allowed)."""
 
     exit_code = 4
 
@@ -70,7 +77,7 @@ EXIT_CODES = {
     1: "unexpected error",
     2: "bad usage or configuration",
     3: "store error (bad query, unknown table)",
-    4: "store unavailable",
+    4: "store unavailable (down, timed out, or credentials refused)",
     5: "store schema version mismatch",
     6: "malformed input (nothing was written)",
     7: "the demo's training job failed",

@@ -8,6 +8,7 @@ runs unchanged on both.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -15,7 +16,9 @@ if TYPE_CHECKING:
     import numpy as np
     import pyarrow as pa
 
-__all__ = ["QueryResult", "Store", "sql_escape", "sql_string"]
+__all__ = ["READ_STATEMENTS", "QueryResult", "Store", "read_only_statement", "sql_escape", "sql_string"]
+
+READ_STATEMENTS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXISTS")
 
 
 def sql_escape(s: str) -> str:
@@ -26,6 +29,67 @@ def sql_escape(s: str) -> str:
 def sql_string(s: str) -> str:
     """``s`` as a single-quoted ClickHouse string literal."""
     return "'" + sql_escape(s) + "'"
+
+
+def _code_tokens(sql: str) -> list[tuple[str, int]]:
+    """``sql`` outside string literals, quoted identifiers and comments, as (kind, position) tokens:
+    ``("word:X", i)`` for a bare word (upper-cased) and ``(";", i)`` for a statement separator."""
+    out: list[tuple[str, int]] = []
+    i, n = 0, len(sql)
+    while i < n:
+        c = sql[i]
+        if c in "'\"`":
+            j = i + 1
+            while j < n and sql[j] != c:
+                j += 2 if sql[j] == "\\" else 1
+            i = j + 1
+        elif sql.startswith("--", i) or c == "#":
+            j = sql.find("\n", i)
+            i = n if j < 0 else j + 1
+        elif sql.startswith("/*", i):
+            j = sql.find("*/", i + 2)
+            i = n if j < 0 else j + 2
+        elif c == ";":
+            out.append((";", i))
+            i += 1
+        elif c.isalpha() or c == "_":
+            j = i
+            while j < n and (sql[j].isalnum() or sql[j] == "_"):
+                j += 1
+            out.append(("word:" + sql[i:j].upper(), i))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def read_only_statement(sql: str) -> str:
+    """``sql`` when it is exactly one read statement (``SELECT``, ``WITH``, ``SHOW``, ``DESCRIBE``,
+    ``EXISTS``; a trailing ``;`` is allowed), without the trailing ``;``.
+
+    Raises:
+        ConfigError: several statements, a statement that is not a read (``DROP``, ``INSERT``,
+            ``ALTER``, ``SET``, ...), ``INTO OUTFILE``, or no statement at all.
+    """
+    from ranklens.errors import ConfigError
+
+    tokens = _code_tokens(sql)
+    seps = [i for kind, i in tokens if kind == ";"]
+    words = [kind[5:] for kind, _ in tokens if kind != ";"]
+    if not words:
+        raise ConfigError('no SQL statement given; e.g. `ranklens sql "SELECT count() FROM steps"`')
+    if seps and any(kind != ";" for kind, i in tokens if i > seps[0]):
+        raise ConfigError(
+            f"{len(seps) + 1} statements given (separated by ';'); `ranklens sql` runs one read statement at a time"
+        )
+    if words[0] not in READ_STATEMENTS:
+        raise ConfigError(
+            f"`ranklens sql` runs read statements only ({', '.join(READ_STATEMENTS)}), not {words[0]}: the store is "
+            "written by the collector and `ranklens ingest`; nothing was changed"
+        )
+    if any(a == "INTO" and b == "OUTFILE" for a, b in itertools.pairwise(words)):
+        raise ConfigError("`ranklens sql` does not write files (INTO OUTFILE); use --json or the table output")
+    return sql[: seps[0]] if seps else sql
 
 
 class QueryResult:
