@@ -17,12 +17,32 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from ranklens.errors import ConfigError, SchemaVersionError, StoreError, StoreUnavailable
+from ranklens.errors import ConfigError, SchemaVersionError, StoreAuthError, StoreError, StoreUnavailable
 from ranklens.records import arrow_schema, to_arrow
 from ranklens.schema import META_TABLE, SCHEMA_VERSION, render_server_ddl, table
 from ranklens.store.api import QueryResult
 
-__all__ = ["ServerConfig", "ServerStore"]
+__all__ = ["ServerConfig", "ServerStore", "redact_url"]
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (if any) shown as ``***``: what messages and logs may print."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        password = None
+        parts = None
+    if parts is None or password is None:
+        # not parseable, or no password: still hide anything between "//" and "@"
+        head, sep, tail = url.partition("://")
+        if sep and "@" in tail.split("/", 1)[0]:
+            userinfo, _, rest = tail.partition("@")
+            return f"{head}://{userinfo.split(':', 1)[0]}:***@{rest}" if ":" in userinfo else url
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user = userinfo.split(":", 1)[0]
+    return parts._replace(netloc=f"{user}:***@{hostport}").geturl()
 
 
 @dataclass(frozen=True)
@@ -48,12 +68,12 @@ class ServerConfig:
         """
         parts = urlsplit(url)
         if parts.scheme not in ("clickhouse", "clickhouses"):
-            raise ConfigError(f"not a ClickHouse URL: {url!r} (expected clickhouse:// or clickhouses://)")
+            raise ConfigError(f"not a ClickHouse URL: {redact_url(url)!r} (expected clickhouse:// or clickhouses://)")
         secure = parts.scheme == "clickhouses"
         q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         database = parts.path.lstrip("/") or "ranklens"
         if not database.replace("_", "").isalnum():
-            raise ConfigError(f"database name {database!r} in {url!r}: use letters, digits and _")
+            raise ConfigError(f"database name {database!r} in {redact_url(url)!r}: use letters, digits and _")
         try:
             port = parts.port or (9440 if secure else 9000)
         except ValueError as e:
@@ -78,7 +98,7 @@ class ServerConfig:
                 retries=int(q.get("retries", 3)),
             )
         except ValueError as e:
-            raise ConfigError(f"bad option value in store URL {url!r}: {e}") from None
+            raise ConfigError(f"bad option value in store URL {redact_url(url)!r}: {e}") from None
 
     def redacted_url(self) -> str:
         scheme = "clickhouses" if self.secure else "clickhouse"
@@ -122,44 +142,95 @@ class ServerStore:
                 self._clients.append(c)
         return c
 
+    def _connect(self, client: Any) -> None:
+        """Open ``client``'s connection with the whole handshake bounded by ``connect_timeout``.
+
+        clickhouse-driver waits for the server's hello with the (long) send/receive timeout: a server
+        that accepts and never answers held every attempt for 300 s (issue 22 #10)."""
+        conn = client.connection
+        if conn.connected:
+            if conn.ping():  # bounded by sync_request_timeout; the driver's own reconnect is not
+                return
+            conn.disconnect()
+        receive = conn.send_receive_timeout
+        conn.send_receive_timeout = self.config.connect_timeout_s
+        try:
+            conn.connect()
+        finally:
+            conn.send_receive_timeout = receive
+        if conn.socket is not None:
+            conn.socket.settimeout(receive)
+
     def _execute(self, sql: str, params: Any = None, *, database: bool = True, **kw: Any) -> Any:
         """Run one statement. Reads and DDL are retried on network errors; an insert only while
-        connecting (once its block may have reached the server, a retry could duplicate rows)."""
+        connecting (once its block may have reached the server, a retry could duplicate rows).
+
+        A server that does not answer in time is retried once (it is seldom faster the next time),
+        a refused connection ``retries`` times; refused credentials are not retried."""
         from clickhouse_driver import errors as ch_errors
 
+        cfg = self.config
         network = (ch_errors.NetworkError, ch_errors.SocketTimeoutError, EOFError, OSError)
+        timeouts = (ch_errors.SocketTimeoutError, TimeoutError)
         idempotent = params is None
         delay = 0.2
-        for attempt in range(self.config.retries + 1):
+        timed_out = 0
+        for attempt in range(cfg.retries + 1):
             client = self._client(database=database)
-            last = attempt == self.config.retries
+            connecting = True
             try:
-                if not idempotent and not client.connection.connected:
-                    client.connection.connect()
-            except network as e:
-                client.disconnect()
-                if last:
-                    raise StoreUnavailable(
-                        f"ClickHouse server {self.url} is unavailable after {attempt + 1} attempt(s): {e}"
-                    ) from e
-                time.sleep(delay)
-                delay *= 2
-                continue
-            try:
+                self._connect(client)
+                connecting = False
                 return client.execute(sql, params, **kw)
             except network as e:
                 client.disconnect()
-                if last or not idempotent:
-                    what = "is unavailable" if idempotent else "failed during an insert (not retried)"
+                timeout = isinstance(e, timeouts)
+                timed_out += timeout
+                if connecting:
+                    what = (
+                        f"did not answer the connection handshake: timed out after {cfg.connect_timeout_s:g} s "
+                        "(connect_timeout; is this a ClickHouse native-protocol port?)"
+                        if timeout
+                        else f"is unavailable: {_one_line(str(e))}"
+                    )
+                else:
+                    what = (
+                        f"did not answer the query: timed out after {cfg.send_receive_timeout_s:g} s "
+                        "(send_receive_timeout)"
+                        if timeout
+                        else f"is unavailable: {_one_line(str(e))}"
+                    )
+                    if not idempotent:
+                        what = f"failed during an insert (not retried): {what}"
+                give_up = (
+                    attempt == cfg.retries
+                    or (not idempotent and not connecting)
+                    or timed_out > 1
+                    or (timeout and not connecting)
+                )
+                if give_up:
+                    hint = (
+                        "; store URL options ?connect_timeout=S&send_receive_timeout=S set the limits"
+                        if timeout
+                        else ""
+                    )
                     raise StoreUnavailable(
-                        f"ClickHouse server {self.url} {what} after {attempt + 1} attempt(s): {e}"
+                        f"ClickHouse server {self.url} {what} ({attempt + 1} attempt(s)){hint}"
                     ) from e
                 time.sleep(delay)
                 delay *= 2
             except ch_errors.ServerException as e:
-                raise StoreError(f"ClickHouse server {self.url} rejected the query: {e.message.strip()}") from e
+                msg = _server_message(e)
+                if connecting:  # refused during the handshake: the half-open connection is useless
+                    client.disconnect()
+                if e.code in _AUTH_CODES:
+                    raise StoreAuthError(
+                        f"ClickHouse server {self.url} refused the credentials of user {cfg.user!r}: {msg}; "
+                        f"check the user and password in the store URL (or ${_password_env()})"
+                    ) from None
+                raise StoreError(f"ClickHouse server {self.url} rejected the query: {msg}") from None
             except ch_errors.Error as e:
-                raise StoreError(f"ClickHouse client error against {self.url}: {e}") from e
+                raise StoreError(f"ClickHouse client error against {self.url}: {_one_line(str(e))}") from e
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- schema -----------------------------------------------------------------------
@@ -333,6 +404,28 @@ class ServerStore:
 
     def __repr__(self) -> str:
         return f"ServerStore({self.url!r})"
+
+
+# UNKNOWN_USER, WRONG_PASSWORD, REQUIRED_PASSWORD, IP_ADDRESS_NOT_ALLOWED (18.16), AUTHENTICATION_FAILED (20+)
+_AUTH_CODES = frozenset({192, 193, 194, 195, 516})
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _server_message(e: Any) -> str:
+    """A server exception's message on one line, without the server's stack trace."""
+    import re
+
+    text = re.split(r"\s*Stack trace\b", str(getattr(e, "message", "") or e), maxsplit=1)[0]
+    return _one_line(text).rstrip(".:") or f"code {getattr(e, 'code', '?')}"
+
+
+def _password_env() -> str:
+    from ranklens.config import ENV_STORE_PASSWORD
+
+    return ENV_STORE_PASSWORD
 
 
 def distributed_target(engine_full: str, default_db: str) -> tuple[str, str, str]:
