@@ -186,9 +186,17 @@ def _prog() -> str:
     return argv0 if rel.startswith("..") else rel
 
 
-def _print_findings(findings: list[Any]) -> None:
+def _print_findings(findings: list[Any], coverage: Any = None) -> None:
+    degraded = coverage is not None and coverage.degraded
+    if degraded:
+        click.echo(f"\nThis analysis is degraded (steps: {coverage.step_source}):")
+        for note in coverage.notes:
+            click.echo(f"  - {note}")
     if not findings:
-        click.echo("\nNo findings: no rank kept the others waiting.")
+        if degraded:
+            click.echo("\nNo findings in what could be analyzed; see above for what this analysis could not see.")
+        else:
+            click.echo("\nNo findings: no rank kept the others waiting.")
         return
     click.echo(f"\nFindings ({len(findings)}), most costly first:")
     for f in findings:
@@ -201,7 +209,9 @@ def _print_findings(findings: list[Any]) -> None:
 
 @cli.command(epilog=_EPILOG)
 @_store_option
-@click.option("--job", "job_id", default=None, help="Job id (default: the job with the most recent step).")
+@click.option(
+    "--job", "job_id", default=None, help="Job id (default: the job with the most recent step or collective)."
+)
 @click.option("--attempt", type=int, default=None, help="Restart attempt (default: the latest of the job).")
 @click.option(
     "--flight-recorder",
@@ -298,7 +308,7 @@ def analyze(
         if not n:
             raise NotFound(
                 f"no records of job {job_id!r} in {store.url}; "
-                '`ranklens sql "SELECT DISTINCT job_id FROM steps"` lists the jobs'
+                '`ranklens sql "SELECT DISTINCT job_id FROM collectives"` lists the jobs'
             )
         attempt = int(top)
     engine = _engine(policy_file, store, outbox_dir) if act else None
@@ -316,17 +326,26 @@ def analyze(
             )
             return
         findings = analyze_job(store, job_id, attempt)
+        from ranklens.analyzers.coverage import analysis_coverage
+
+        coverage = analysis_coverage(store, job_id, attempt)
         if not no_save:
             save_findings(store, findings)
         report = engine.process(findings) if engine is not None else None
         if as_json:
-            out: dict[str, Any] = {"job_id": job_id, "attempt": attempt, "findings": [f.to_json() for f in findings]}
+            out: dict[str, Any] = {
+                "job_id": job_id,
+                "attempt": attempt,
+                "step_source": coverage.step_source,
+                "coverage": coverage.to_json(),
+                "findings": [f.to_json() for f in findings],
+            }
             if report is not None:
                 out["recovery"] = report.to_json()
             click.echo(json.dumps(out, default=_json_default))
             return
         click.echo(f"job {job_id} attempt {attempt}")
-        _print_findings(findings)
+        _print_findings(findings, coverage)
         if report is not None:
             _print_report(report)
     finally:
