@@ -255,6 +255,13 @@ def _print_findings(findings: list[Any], coverage: Any = None) -> None:
     default=None,
     help="With --follow: serve the findings as Prometheus metrics on this port (0: any free port).",
 )
+@click.option(
+    "--metrics-addr",
+    default="127.0.0.1",
+    show_default=True,
+    help="With --metrics-port: the address the metrics endpoint binds (loopback by default, like the "
+    "dashboard; 0.0.0.0 for every interface).",
+)
 @_errors
 def analyze(
     store_url: str | None,
@@ -265,18 +272,12 @@ def analyze(
     as_json: bool,
     no_save: bool,
     follow: bool,
-@click.option(
-    "--metrics-addr",
-    default="127.0.0.1",
-    show_default=True,
-    help="With --metrics-port: the address the metrics endpoint binds (loopback by default, like the "
-    "dashboard; 0.0.0.0 for every interface).",
-)
     interval: float,
     act: bool,
     policy_file: str | None,
     outbox_dir: str | None,
     metrics_port: int | None,
+    metrics_addr: str,
 ) -> None:
     """Analyze a job in the store (stragglers; hangs, crashes and desyncs while it runs) or
     flight-recorder dumps (post-mortem), and print its findings."""
@@ -287,7 +288,6 @@ def analyze(
         raise click.UsageError("--act needs --policy FILE (or RANKLENS_POLICY)")
     if metrics_port is not None and not follow:
         raise click.UsageError("--metrics-port goes with --follow")
-    metrics_addr: str,
 
     if fr_dir is not None:
         _analyze_flight_recorder(store_url, fr_dir, job_id, attempt, world_size, as_json, no_save)
@@ -323,6 +323,7 @@ def analyze(
                 interval=interval,
                 engine=engine,
                 metrics_port=metrics_port,
+                metrics_addr=metrics_addr,
             )
             return
         findings = analyze_job(store, job_id, attempt)
@@ -351,7 +352,6 @@ def analyze(
     finally:
         if engine is not None:
             engine.close()
-                metrics_addr=metrics_addr,
 
 
 def _engine(policy_file: str | None, store: Any, outbox_dir: str | None) -> Any:
@@ -386,6 +386,7 @@ def _follow(
     interval: float,
     engine: Any = None,
     metrics_port: int | None = None,
+    metrics_addr: str = "127.0.0.1",
     window_steps: int = 500,
 ) -> None:
     import time
@@ -446,7 +447,6 @@ def _analyze_flight_recorder(
     from ranklens.analyzers import save_findings
     from ranklens.analyzers.hangs import analyze_flight_recorder, steps_from_store
     from ranklens.collector.flight_recorder import infer_job_id, infer_world_size, job_from_path, read_dumps
-    metrics_addr: str = "127.0.0.1",
     from ranklens.errors import IngestError
 
     dumps, unreadable = read_dumps(fr_dir)  # one damaged dump does not hide the others
@@ -620,6 +620,9 @@ def sql(store_url: str | None, query: str, as_json: bool, max_rows: int) -> None
     Tables: collectives, phases, steps, process_groups, ranks, gpu_samples, gpu_events,
     log_events, heartbeats, findings, actions, drops (see `ranklens schema`).
     """
+    from ranklens.store.api import read_only_statement
+
+    query = read_only_statement(query)  # before opening: a refused statement never reaches the store
     store = _open(store_url, create=False)
     r = store.query(query)
     if as_json:
@@ -675,9 +678,6 @@ def collect(
     store_url: str | None,
     config_file: str | None,
     spool_dir: str | None,
-    from ranklens.store.api import read_only_statement
-
-    query = read_only_statement(query)  # before opening: a refused statement never reaches the store
     follow: bool,
     interval: float | None,
     log_globs: tuple[str, ...],
@@ -905,6 +905,7 @@ def schema(target: str, database: str, cluster: str, migrate: bool, store_url: s
         from ranklens.schema import SCHEMA_VERSION
         from ranklens.store import default_store_url
         from ranklens.store.migrate import migrate as run_migration
+        from ranklens.store.server import redact_url
 
         url = store_url or default_store_url()
         done = run_migration(url)
@@ -947,4 +948,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-        from ranklens.store.server import redact_url
