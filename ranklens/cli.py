@@ -579,7 +579,8 @@ def ingest(
     (.json or .json.gz, streamed). The format is detected when --format is omitted.
 
     Every file is validated before anything is written: a malformed file is named with its
-    line/row (or event) and field, and nothing is written.
+    line/row (or event) and field, and nothing is written. JSON Lines / Parquet files are
+    ingested once: a file whose rows are already in the store (same table and content) is skipped.
     """
     from ranklens.ingest import expand, ingest_paths
 
@@ -597,9 +598,14 @@ def ingest(
         what = "flight-recorder dumps"
     else:
         files = expand(list(paths))
+        already: dict[str, int] = {}
         with click.progressbar(length=len(files), label="validating", file=sys.stderr, show_pos=True) as bar:
-            written = ingest_paths(store, files, fmt=fmt, table=table, progress=lambda _p: bar.update(1))
+            written = ingest_paths(
+                store, files, fmt=fmt, table=table, progress=lambda _p: bar.update(1), already=already
+            )
         what = f"{len(files)} file(s)"
+        for name, n in sorted(already.items()):
+            click.echo(f"{name}: {n:,} rows already in the store (ingested before): not written again")
     for name, n in sorted(written.items()):
         click.echo(f"{name}: {n:,} rows")
     click.echo(f"ingested {what} into {store.url}")

@@ -8,10 +8,16 @@ first word (``collectives.jsonl``, ``steps-rank3.parquet``).
 
 Everything is read and validated before anything is written: a malformed file raises
 :class:`IngestError` naming the file, line/row and field, and the store is untouched.
+
+Ingesting is idempotent, like the collector's shipping: every row of a file is stamped with the
+file's ``ingest_id`` (63 bits of BLAKE2b over its table and content, the shipper's scheme), and a
+file whose rows the store already holds is not written again (a file the store holds in part, an
+interrupted ingest, is discarded and written again), however it was renamed or moved meanwhile.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -20,11 +26,11 @@ from typing import Any
 
 from ranklens.errors import IngestError
 from ranklens.records import arrow_schema, check_value, to_arrow
-from ranklens.schema import TABLES
+from ranklens.schema import INGEST_ID, TABLES
 from ranklens.store.api import Store
 from ranklens.tracing.spool import SPOOL_FORMAT, SPOOL_VERSION  # one format: spool segments are ingestable
 
-__all__ = ["FORMATS", "ingest_paths", "read_file", "read_jsonl", "read_parquet"]
+__all__ = ["FORMATS", "file_ingest_id", "ingest_paths", "read_file", "read_jsonl", "read_parquet"]
 
 FORMATS = ("jsonl", "parquet", "flight-recorder", "kineto")
 
@@ -222,6 +228,33 @@ def expand(paths: Sequence[str | Path]) -> list[Path]:
     return out
 
 
+def file_ingest_id(path: str | Path, table: str) -> int:
+    """The ``ingest_id`` of a file's rows: 63 bits of BLAKE2b over its table and content (never 0),
+    the scheme the shipper uses for spool segments; independent of the file's name and place."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"ranklens ingest\0" + table.encode() + b"\0")
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        raise IngestError(str(path), "", f"cannot read: {e.strerror}") from None
+    return (int.from_bytes(h.digest(), "little") & (2**63 - 1)) or 1
+
+
+def _stored_rows(store: Store, table: str, ids: Sequence[int]) -> dict[int, int]:
+    """Rows per ``ingest_id`` that the store already holds."""
+    found: dict[int, int] = {}
+    for i in range(0, len(ids), 1000):
+        chunk = ", ".join(str(int(x)) for x in ids[i : i + 1000])
+        res = store.query(
+            f"SELECT {INGEST_ID} AS id, count() AS n FROM {table} WHERE {INGEST_ID} IN ({chunk}) GROUP BY id"
+        )
+        for id_, n in res.rows():
+            found[int(id_)] = int(n)
+    return found
+
+
 def ingest_paths(
     store: Store,
     paths: Sequence[str | Path],
@@ -229,19 +262,40 @@ def ingest_paths(
     fmt: str | None = None,
     table: str | None = None,
     progress: Callable[[Path], None] | None = None,
+    already: dict[str, int] | None = None,
 ) -> dict[str, int]:
-    """Validate every file, then write them all; returns rows written per table.
+    """Validate every file, then write those the store does not hold yet; returns rows written per
+    table (``already``, when given, receives the rows per table that were in the store before).
 
     Raises:
         IngestError: on the first malformed file (nothing was written).
     """
     import pyarrow as pa
 
-    batches: dict[str, list[Any]] = {}
+    files: dict[str, dict[int, Any]] = {}  # table -> ingest_id -> rows (the same file twice: once)
     for p in expand(paths):
         name, data = read_file(p, fmt, table)
-        batches.setdefault(name, []).append(data)
+        iid = file_ingest_id(p, name)
+        col = pa.array([iid] * data.num_rows, type=pa.uint64())
+        data = data.set_column(data.column_names.index(INGEST_ID), INGEST_ID, col)
+        if data.num_rows:
+            files.setdefault(name, {})[iid] = data
         if progress:
             progress(p)
-    merged = {name: pa.concat_tables(parts) for name, parts in batches.items()}
+    merged: dict[str, Any] = {}
+    for name, by_id in files.items():
+        stored = _stored_rows(store, name, sorted(by_id))
+        partial = [i for i, n in stored.items() if 0 < n < by_id[i].num_rows]
+        if partial:  # an ingest interrupted half-way (a server applies a block atomically; several blocks not)
+            discard = getattr(store, "discard_ingest", None)
+            if discard is None:
+                raise IngestError(name, "", "the store holds part of these files' rows and cannot discard them")
+            discard(name, partial)
+        fresh = [d for i, d in by_id.items() if i in partial or not stored.get(i)]
+        if already is not None:
+            n = sum(d.num_rows for i, d in by_id.items() if i not in partial and stored.get(i))
+            if n:
+                already[name] = already.get(name, 0) + n
+        if fresh:
+            merged[name] = pa.concat_tables(fresh)
     return store.write_many(merged) if merged else {}

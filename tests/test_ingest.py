@@ -159,3 +159,53 @@ def test_fast_reader_defers_to_strict_errors(tmp_path):
     p = _jsonl(tmp_path / "seg.jsonl", HEADER, ROW, dict(ROW, rank=True))  # a bool is not an integer
     with pytest.raises(IngestError, match="line 3: field 'rank': expected an integer"):
         read_jsonl(p)
+
+
+def test_ingesting_the_same_file_twice_writes_its_rows_once(tmp_path, store):
+    """issue 22 #10: a second `ranklens ingest` of a file duplicated every row. Its rows carry the
+    file's ingest_id (from its content): a file the store holds is skipped, renamed or not."""
+    import shutil
+    import subprocess
+    import sys
+
+    jsonl = _jsonl(tmp_path / "collectives.jsonl", HEADER, ROW, dict(ROW, rank=1), dict(ROW, rank=2))
+    steps = pa.table({"job_id": ["j", "j"], "rank": [0, 1], "step": [0, 0], "start_ns": [1, 1], "end_ns": [2, 3]})
+    pq.write_table(steps, tmp_path / "steps.parquet")
+
+    def ingest(*paths):
+        r = subprocess.run(
+            [sys.executable, "-m", "ranklens.cli", "ingest", "--store", store_url, *map(str, paths)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    store_url = store.url  # the test server has no password: the redacted URL is the URL
+    out = ingest(jsonl, tmp_path / "steps.parquet")
+    assert "collectives: 3 rows" in out and "steps: 2 rows" in out
+    out = ingest(jsonl, tmp_path / "steps.parquet")  # again: nothing written, and it says so
+    assert "collectives: 3 rows already in the store" in out and "steps: 2 rows already in the store" in out
+    shutil.copy(jsonl, tmp_path / "collectives-copy.jsonl")  # the same content under another name
+    ingest(tmp_path / "collectives-copy.jsonl")
+    assert store.query("SELECT count() FROM collectives").scalar() == 3
+    assert store.query("SELECT count() FROM steps").scalar() == 2
+    assert store.query("SELECT uniqExact(ingest_id), min(ingest_id) > 0 FROM collectives").rows() == [(1, 1)]
+    # a changed file is new data: its rows are written (the old file's rows stay)
+    _jsonl(jsonl, HEADER, dict(ROW, seq=2))
+    assert "collectives: 1 rows" in ingest(jsonl)
+    assert store.query("SELECT count() FROM collectives").scalar() == 4
+
+
+def test_reingest_after_a_partial_write_discards_and_writes_again(tmp_path, store):
+    from ranklens.ingest import file_ingest_id
+
+    p = _jsonl(tmp_path / "c.jsonl", HEADER, ROW, dict(ROW, rank=1), dict(ROW, rank=2))
+    _, rows = read_jsonl(p)
+    iid = file_ingest_id(p, "collectives")
+    part = rows.slice(0, 1)
+    part = part.set_column(part.column_names.index("ingest_id"), "ingest_id", pa.array([iid], type=pa.uint64()))
+    store.write("collectives", part)  # an ingest interrupted after one of the file's rows
+    assert ingest_paths(store, [p]) == {"collectives": 3}
+    assert store.query("SELECT count(), uniqExact(rank) FROM collectives").rows() == [(3, 3)]
