@@ -47,10 +47,25 @@ open_f = found[found["state"] == "open"] if not found.empty else found
 c = st.columns(5)
 c[0].metric("ranks", f"{b.ranks:,}")
 c[1].metric("nodes", f"{b.hosts:,}")
-c[2].metric("steps", f"{b.first_step}-{b.last_step}")
-c[3].metric("median step", f"{float(row['median_step_s'].iloc[0]) * 1e3:.1f} ms" if not row.empty else "—")
+c[2].metric("steps", f"{b.first_step}-{b.last_step}" if b.steps else "none marked")
+median = float(row["median_step_s"].iloc[0]) if not row.empty else float("nan")
+c[3].metric("median step", f"{median * 1e3:.1f} ms" if median == median else "—")
 c[4].metric("open findings", f"{len(open_f)}", help="health: " + (str(row["health"].iloc[0]) if not row.empty else ""))
 
+if not b.steps:
+    # no step markers (an unmodified script): draw what the arrival ledger alone says
+    blame = ctx.query("ledger_blame")
+    basis = str(blame["basis"].iloc[0]) if not blame.empty else "windows"
+    st.info(
+        "This job has no step markers: its iterations are counted from the collectives' repeating pattern "
+        f"({basis}), and the analysis works from the arrival ledger alone (who arrived last, how long the others "
+        "waited). Phases are unknown; mark steps with `rlt.step` for step times and phases."
+    )
+    if not blame.empty:
+        wide = blame.pivot_table(index="window", columns="rank", values="delay_s", aggfunc="sum").fillna(0.0)
+        wide.columns = [f"rank {c}" for c in wide.columns]
+        st.caption(f"Seconds the other ranks waited for each rank, per {basis[:-1] if basis.endswith('s') else basis}")
+        st.line_chart(wide)
 trend = ctx.query("step_trend")
 onsets = {int(s): f"{k} onset" for s, k in zip(found["first_seen_step"], found["kind"]) if int(s) >= 0}
 st.plotly_chart(charts.step_trend_chart(trend, onsets), key="trend")

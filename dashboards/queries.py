@@ -50,6 +50,7 @@ __all__ = [
     "heartbeat_ages",
     "heatmap",
     "job_bounds",
+    "ledger_blame",
     "list_jobs",
     "log_classes",
     "log_events",
@@ -172,6 +173,25 @@ ORDER BY last_ns DESC
 LIMIT {int(limit)}
 """,
     )
+    # a job traced without step markers has collectives only: it is a job too (no steps, no step time)
+    ledger = _df(
+        store,
+        f"""
+SELECT job_id, attempt, uniqExact(rank) AS ranks, toInt64(0) AS first_step, toInt64(-1) AS last_step,
+       min(enter_ns) AS first_ns, max(greatest(end_ns, enter_ns)) AS last_ns, toInt64(0) AS median_step_ns
+FROM collectives
+GROUP BY job_id, attempt
+ORDER BY last_ns DESC
+LIMIT {int(limit)}
+""",
+    )
+    if not ledger.empty:
+        known = set(zip(jobs["job_id"], jobs["attempt"]))
+        extra = ledger[[(j, a) not in known for j, a in zip(ledger["job_id"], ledger["attempt"])]]
+        if not extra.empty:
+            extra = extra.assign(median_step_ns=np.nan)
+            jobs = pd.concat([jobs, extra], ignore_index=True) if not jobs.empty else extra.reset_index(drop=True)
+            jobs = jobs.sort_values("last_ns", ascending=False).head(int(limit)).reset_index(drop=True)
     fnd = _df(
         store,
         """
@@ -214,6 +234,13 @@ def job_bounds(store: Store, job_id: str, attempt: int) -> JobBounds:
     ).rows()[0]
     h = store.query(f"SELECT uniqExact(host) AS n_hosts, uniqExact(rank) AS n_ranks FROM ranks WHERE {w}").rows()[0]
     n = int(s[5])
+    if not n:  # no step markers: the job's extent comes from its collectives
+        c = store.query(
+            "SELECT uniqExact(rank), min(enter_ns), max(greatest(end_ns, enter_ns)), count() "
+            f"FROM collectives WHERE {w}"
+        ).rows()[0]
+        if int(c[3]):
+            return JobBounds(job_id, int(attempt), max(int(c[0]), int(h[1])), int(h[0]), 0, -1, int(c[1]), int(c[2]))
     return JobBounds(
         job_id=job_id,
         attempt=int(attempt),
@@ -224,6 +251,23 @@ def job_bounds(store: Store, job_id: str, attempt: int) -> JobBounds:
         first_ns=int(s[3]) if n else 0,
         last_ns=int(s[4]) if n else 0,
     )
+
+
+def ledger_blame(store: Store, job_id: str, attempt: int) -> pd.DataFrame:
+    """For a job without step markers: per iteration (counted from the collectives' repeating
+    pattern, :mod:`ranklens.analyzers.windows`) and rank, the seconds the others waited for it.
+    Long form ``(window, rank, delay_s, basis)``; empty when the job has steps."""
+    from ranklens.analyzers.blame import compute_blame
+
+    b = compute_blame(store, job_id, attempt)
+    if b.step_basis == "steps" or b.delay_s.size == 0:
+        return pd.DataFrame({"window": [], "rank": [], "delay_s": [], "basis": []})
+    rows = [
+        (int(w), int(r), float(b.delay_s[i, j]), b.step_basis)
+        for i, r in enumerate(b.ranks[:MAX_SERIES])
+        for j, w in enumerate(b.steps[-ROW_LIMIT // max(1, min(len(b.ranks), MAX_SERIES)) :])
+    ]
+    return pd.DataFrame(rows, columns=["window", "rank", "delay_s", "basis"])
 
 
 def rank_info(store: Store, job_id: str, attempt: int) -> pd.DataFrame:
