@@ -1,0 +1,31 @@
+"""The accuracy matrix of issue 21 on real jobs: an unmodified 4-rank DDP script (gloo, a
+DataLoader, no ranklens import) under ``ranklens run``, one rank slowed in forward, in backward or
+in data loading by 50 ms and 200 ms per step from step 6, and a healthy run; on a quiet host and
+with two CPU hogs. The slowed rank is named (nobody else), with the phase when the job has phases,
+and the onset within one step; the healthy run names nobody. bench/zero_code_accuracy.py runs the
+same matrix and prints precision/recall."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.zero_code_helpers import matrix, run_case
+
+pytestmark = pytest.mark.e2e
+CASES = matrix()
+
+
+@pytest.mark.parametrize("loaded", [False, True], ids=["quiet", "loaded"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_zero_code_accuracy(tmp_path, case, loaded):
+    o = run_case(case, tmp_path, loaded=loaded)
+    titles = [f["title"] for f in o.stragglers]
+    assert o.report["step_source"] in ("inferred", "none")
+    if case.slow_rank is None:
+        assert o.stragglers == [], titles
+        return
+    assert o.named_ranks == {case.slow_rank}, titles
+    assert len(o.stragglers) == 1, titles
+    assert abs(o.onset_error) <= 1, titles
+    if o.report["coverage"]["phases"]:  # the tracer inferred phases: the finding names the right one
+        assert o.phase_named == case.phase, (titles, o.stragglers[0]["evidence"].get("phase_excess_s"))
