@@ -42,7 +42,9 @@ def analyze_job(
     stragglers = find_stragglers(store, job_id, attempt, detector=detector, window_steps=window_steps)
     links = find_slow_links(store, job_id, attempt, window_steps=window_steps or 0)
     # GPU events and classified log errors around each finding: the earliest is the likely origin
-    return correlate_findings(store, hangs + stragglers + links)
+    # stragglers and slow links ranked together by what they cost the job
+    ranked = sorted(stragglers + links, key=lambda f: (-f.impact_s, f.id))
+    return correlate_findings(store, hangs + ranked)
 
 
 @dataclass
