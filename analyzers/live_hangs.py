@@ -291,6 +291,7 @@ def detect_live_hangs(
             "op": sorted(set(ops.values()))[0],
             "nbytes": stuck[key][in_flight[0]][1],
             "stuck_s": round((now - oldest) / 1e9, 3),
+            "since_ns": oldest,
             "threshold_s": round(threshold_s, 3),
         }
 
@@ -574,7 +575,8 @@ def _finding(
 ) -> Finding:
     step = max((r.step for r in ranks.values()), default=-1)
     now = max((r.ts_ns for r in ranks.values()), default=0)
-    first_ns = int(now - float(evidence.get("stuck_s") or 0) * 1e9)
+    # when the stuck collective was entered: fixed, however long ago the ranks last reported
+    first_ns = int(evidence.get("since_ns") or now - float(evidence.get("stuck_s") or 0) * 1e9)
     return Finding(
         id=finding_id(job_id, attempt, kind, key),
         job_id=job_id,

@@ -292,6 +292,15 @@ def analyze(
     if fr_dir is not None:
         _analyze_flight_recorder(store_url, fr_dir, job_id, attempt, world_size, as_json, no_save)
         return
+    if follow:  # started before the job has written anything: wait for it instead of exiting
+        from ranklens.live_service import wait_for_job
+
+        try:
+            wait_for_job(
+                lambda: _open(store_url, create=False), job_id, interval=interval, say=lambda s: click.echo(s, err=True)
+            )
+        except KeyboardInterrupt:
+            return
     store = _open(store_url, create=False)
     if job_id is None:
         latest = latest_job(store)
@@ -327,6 +336,10 @@ def analyze(
             )
             return
         findings = analyze_job(store, job_id, attempt)
+        from ranklens.live_service import job_history
+
+        # what earlier passes (analyze --follow during the job) found stays visible afterwards
+        history = job_history(store, job_id, attempt, findings)
         from ranklens.analyzers.coverage import analysis_coverage
 
         coverage = analysis_coverage(store, job_id, attempt)
@@ -339,7 +352,7 @@ def analyze(
                 "attempt": attempt,
                 "step_source": coverage.step_source,
                 "coverage": coverage.to_json(),
-                "findings": [f.to_json() for f in findings],
+                "findings": history.to_json(),
             }
             if report is not None:
                 out["recovery"] = report.to_json()
@@ -347,11 +360,34 @@ def analyze(
             return
         click.echo(f"job {job_id} attempt {attempt}")
         _print_findings(findings, coverage)
+        _print_history(history)
         if report is not None:
             _print_report(report)
     finally:
         if engine is not None:
             engine.close()
+
+
+def _print_history(history: Any) -> None:
+    """The job's earlier findings this pass did not see (e.g. a hang found live that ended with
+    the job), with when each opened and closed."""
+    if not history.earlier:
+        return
+
+    def at(ns: int | None) -> str:
+        import time
+
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9)) if ns else "?"
+
+    click.echo(f"\nEarlier findings of this job ({len(history.earlier)}), from earlier passes, not seen by this one:")
+    for s in history.earlier:
+        f = s.finding
+        if s.closed_ns is not None:
+            closed = f"resolved {at(s.closed_ns)}"
+        else:
+            closed = f"still open, last seen {at(f.last_seen_ns)}"
+        click.echo(f"  [{f.severity.value.upper()}] {f.kind}: {f.title}")
+        click.echo(f"      opened {at(s.opened_ns)}, {closed}; confidence {f.confidence:.2f}, id {f.id}")
 
 
 def _engine(policy_file: str | None, store: Any, outbox_dir: str | None) -> Any:

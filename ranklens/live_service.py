@@ -1,0 +1,145 @@
+"""The live analysis service's memory: findings outlive the pass (and the job) that saw them.
+
+``ranklens analyze --follow`` saves a version of a finding each time it opens, changes or
+resolves (``findings``, newest version per id). A later ``ranklens analyze --job ID`` runs a fresh
+pass over the job's final state, which no longer shows a hang that ended with the job; this module
+puts the two together: the findings of this pass, then the job's earlier ones that this pass did
+not see, each with when it opened and when it closed (issue 21, item 4).
+
+It also lets ``--follow`` start before the job: :func:`wait_for_job` waits, saying so, until the
+store exists and the job has written its first records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ranklens.analyzers.findings import Finding, finding_from_row, latest_columns, strip_latest
+from ranklens.errors import StoreUnavailable
+from ranklens.store.api import Store
+from ranklens.store.api import sql_escape as _esc
+
+__all__ = ["FindingHistory", "StoredFinding", "job_history", "wait_for_job"]
+
+
+@dataclass(frozen=True)
+class StoredFinding:
+    """The newest stored version of a finding, and when versions of it were first and last saved."""
+
+    finding: Finding
+    first_saved_ns: int
+    last_saved_ns: int
+
+    @property
+    def opened_ns(self) -> int:
+        return self.finding.first_seen_ns or self.first_saved_ns
+
+    @property
+    def closed_ns(self) -> int | None:
+        """When it was resolved (the resolving version's time); None while it is open."""
+        return self.last_saved_ns if self.finding.state == "resolved" else None
+
+
+@dataclass(frozen=True)
+class FindingHistory:
+    """A job's findings: ``current`` from this pass, ``earlier`` stored ones this pass did not see."""
+
+    current: list[Finding]
+    earlier: list[StoredFinding]
+    stored: dict[str, StoredFinding]
+
+    def opened_ns(self, f: Finding) -> int:
+        old = self.stored.get(f.id)
+        times = [t for t in (f.first_seen_ns, old.opened_ns if old else 0) if t]
+        return min(times) if times else 0
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """Each finding's usual JSON plus ``seen_now`` (this pass saw it), ``opened_ns`` and
+        ``closed_ns`` (null while open); this pass's findings first, then the earlier ones."""
+        out = [
+            {**f.to_json(), "seen_now": True, "opened_ns": self.opened_ns(f), "closed_ns": None} for f in self.current
+        ]
+        for s in self.earlier:
+            out.append({**s.finding.to_json(), "seen_now": False, "opened_ns": s.opened_ns, "closed_ns": s.closed_ns})
+        return out
+
+
+def stored_findings(store: Store, job_id: str, attempt: int) -> dict[str, StoredFinding]:
+    """The newest version of every finding saved for a job attempt, by id."""
+    from ranklens.schema import TABLES
+
+    cols = [c for c in TABLES["findings"].column_names if c not in ("id", "updated_ns", "ingest_id")]
+    rows = store.query(
+        f"SELECT id, {latest_columns(cols)}, max(updated_ns) AS latest_updated_ns, min(updated_ns) AS first_saved_ns "
+        f"FROM findings WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} GROUP BY id ORDER BY id"
+    ).to_pylist()
+    out = {}
+    for row in rows:
+        first = int(row.pop("first_saved_ns"))
+        r = strip_latest(row)
+        f = dataclasses.replace(finding_from_row(r), updated_ns=int(r["updated_ns"]))
+        out[f.id] = StoredFinding(f, first, int(r["updated_ns"]))
+    return out
+
+
+def job_history(store: Store, job_id: str, attempt: int, current: list[Finding]) -> FindingHistory:
+    """This pass's findings with the job's stored ones: earlier findings this pass did not see
+    (open ones first, then resolved, newest first)."""
+    stored = stored_findings(store, job_id, attempt)
+    seen = {f.id for f in current}
+    earlier = sorted(
+        (s for fid, s in stored.items() if fid not in seen),
+        key=lambda s: (s.finding.state == "resolved", -s.opened_ns, s.finding.id),
+    )
+    return FindingHistory(list(current), earlier, stored)
+
+
+def _has_job(store: Store, job_id: str | None) -> bool:
+    if job_id is None:
+        from ranklens.analyzers import latest_job
+
+        return latest_job(store) is not None
+    return bool(store.query(f"SELECT count() FROM collectives WHERE job_id = '{_esc(job_id)}'").scalar())
+
+
+def wait_for_job(
+    open_store: Callable[[], Store],
+    job_id: str | None,
+    *,
+    interval: float,
+    say: Callable[[str], None],
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Return once the store exists and holds the job (any job when ``job_id`` is None), saying
+    once what it waits for. An embedded store that does not exist yet is waited for (the collector
+    creates it); any other error is raised.
+
+    Raises:
+        KeyboardInterrupt: the user stopped the wait.
+    """
+    said = ""
+    started = clock()
+    while True:
+        try:
+            store = open_store()
+        except StoreUnavailable as e:
+            if "meta.json missing" not in str(e):
+                raise
+            what, store = f"the store to be created ({e})", None
+        if store is not None:
+            if _has_job(store, job_id):
+                if said:
+                    who = f"job {job_id}" if job_id else "a job"
+                    say(f"{who} wrote its first records after {clock() - started:.0f} s")
+                return
+            what = f"job {job_id} to write its first records" if job_id else "a job to write its first records"
+            what += f" into {store.url}"
+        if what != said:
+            say(f"waiting for {what} (Ctrl-C to stop)")
+            said = what
+        sleep(interval)

@@ -1,0 +1,159 @@
+"""Findings outlive the job: a hang seen live by `analyze --follow` is still reported afterwards by
+`analyze --job ID`, with when it opened and closed; `--follow` started before the job waits for it
+(issue 21, item 4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ranklens.cli import cli
+from tests.helpers import synthetic_job
+
+SCRIPT = Path(__file__).with_name("hang_job.py")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _follow(store_url: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ranklens.cli", "analyze", "--store", store_url, "--follow", "--json", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def _lines(stream, into: list[str]) -> threading.Thread:
+    t = threading.Thread(target=lambda: into.extend(iter(stream.readline, "")), daemon=True)
+    t.start()
+    return t
+
+
+def _stop(proc: subprocess.Popen, readers: list[threading.Thread]) -> None:
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: --follow stops quietly
+    proc.wait(timeout=30)
+    for t in readers:
+        t.join(timeout=10)
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def _until(cond, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"analyze --follow exited ({proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_follow_started_before_the_job_waits_for_it(tmp_path):
+    url = f"embedded://{tmp_path}/store"  # not created yet: the collector will create it
+    proc = _follow(url, "--job", "job-synth", "--interval", "0.2")
+    out: list[str] = []
+    err: list[str] = []
+    readers = [_lines(proc.stdout, out), _lines(proc.stderr, err)]
+    try:
+        _until(lambda: any("waiting for the store to be created" in e for e in err), 60, "the wait message", proc)
+        from ranklens.store import open_store
+
+        store = open_store(url)  # the store appears, still without the job
+        _until(
+            lambda: any("waiting for job job-synth to write its first records" in e for e in err), 30, "the job", proc
+        )
+        assert proc.poll() is None, "".join(err)
+        store.write_many(synthetic_job(slow_rank=3))
+        _until(lambda: out, 60, "a finding event", proc)
+    finally:
+        _stop(proc, readers)
+    assert proc.returncode == 0, err
+    event = json.loads(out[0])
+    assert event["event"] == "new" and [s["rank"] for s in event["finding"]["suspects"]] == [3]
+    assert any("job job-synth wrote its first records" in e for e in err)
+
+
+@pytest.mark.e2e
+def test_hang_seen_live_is_reported_after_the_job_by_analyze_job(tmp_path):
+    from ranklens.collector import Shipper
+    from ranklens.store import open_store
+
+    spool, job_id = tmp_path / "spool", "hang-history"
+    store = open_store(f"embedded://{tmp_path}/store")
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "4",
+           "RANKLENS_SPOOL": str(spool), "RANKLENS_JOB_ID": job_id, "OMP_NUM_THREADS": "1", "HANG_MODE": "sleep",
+           "HANG_RANK": "2", "HANG_STEP": "3", "HANG_MARKER": str(tmp_path / "fault"),
+           "RANKLENS_FR_STUCK_S": "0"}  # fmt: skip
+    logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(4)]
+    ranks = [
+        subprocess.Popen([sys.executable, str(SCRIPT)], env={**env, "RANK": str(r)}, stdout=log, stderr=log)
+        for r, log in enumerate(logs)
+    ]
+    stop = threading.Event()
+
+    def ship() -> None:
+        shipper = Shipper(spool, store)
+        while not stop.is_set():
+            shipper.ship_once()
+            stop.wait(0.3)
+
+    shipping = threading.Thread(target=ship, daemon=True)
+    shipping.start()
+    follow = _follow(store.url, "--job", job_id, "--interval", "0.5")  # before the job has written
+    events: list[str] = []
+    err: list[str] = []
+    readers = [_lines(follow.stdout, events), _lines(follow.stderr, err)]
+
+    def seen(event: str, kind: str) -> list[dict]:
+        parsed = [json.loads(line) for line in list(events)]
+        return [e["finding"] for e in parsed if e["event"] == event and e["finding"]["kind"] == kind]
+
+    try:
+        _until(lambda: seen("new", "hang"), 90, "analyze --follow to report the hang", follow)
+        [hang] = seen("new", "hang")
+        assert [s["rank"] for s in hang["suspects"]] == [2]
+        for p in ranks:  # the job ends (killed, as a scheduler would) with the hang never resolved
+            p.kill()
+            p.wait()
+        _until(lambda: any(f["id"] == hang["id"] for f in seen("resolved", "hang")), 60, "the hang to close", follow)
+    finally:
+        _stop(follow, readers)
+        stop.set()
+        shipping.join(timeout=30)
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    assert any("waiting for job hang-history" in e for e in err), err
+
+    r = CliRunner().invoke(cli, ["analyze", "--store", store.url, "--job", job_id, "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    [f] = [f for f in out["findings"] if f["id"] == hang["id"]]
+    assert (f["kind"], [s["rank"] for s in f["suspects"]], f["state"]) == ("hang", [2], "resolved")
+    assert f["seen_now"] is False and f["title"].startswith("rank 2 never entered all_reduce")
+    onset = int((tmp_path / "fault").read_text())
+    # opened when ranks 0, 1, 3 entered the all_reduce rank 2 never reached (as it began to sleep)
+    assert abs(f["opened_ns"] - onset) < 2e9 and f["opened_ns"] < f["closed_ns"] <= time.time_ns()
+    assert f["closed_ns"] - f["opened_ns"] > 10e9  # it stayed open until after the job was killed
+    # every finding of this pass carries the same keys (the shape is kept, keys are added)
+    assert all(
+        {"id", "kind", "state", "suspects", "opened_ns", "closed_ns", "seen_now"} <= set(x) for x in out["findings"]
+    )
+    text = CliRunner().invoke(cli, ["analyze", "--store", store.url, "--job", job_id], catch_exceptions=False).stdout
+    assert "Earlier findings of this job" in text and f["title"] in text and "resolved 20" in text
