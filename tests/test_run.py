@@ -116,7 +116,7 @@ def test_bootstrap_chains_a_shadowed_sitecustomize(tmp_path):
     (other / "sitecustomize.py").write_text("import os; os.environ['SHADOWED_RAN'] = '1'\n")
     from ranklens.launch import BOOTSTRAP_DIR
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([BOOTSTRAP_DIR, str(other)])}
+    env = {**os.environ, "RANK": "0", "PYTHONPATH": os.pathsep.join([BOOTSTRAP_DIR, str(other)])}  # a training rank
     code = (
         "import os, sys; "
         "print(os.environ.get('SHADOWED_RAN'), any(type(f).__name__ == '_Finder' for f in sys.meta_path))"

@@ -89,6 +89,7 @@ def init(
     profile_signal: int | None = None,
     otel_provider: Any = None,
     dataloader: bool = True,
+    autostep: bool = True,
     pp: int | None = None,
     tp: int | None = None,
     dp: int | None = None,
@@ -119,6 +120,10 @@ def init(
         pp, tp, dp: this rank's pipeline-stage, tensor- and data-parallel coordinates, when the
             training code knows them; ranks of the same pipeline stage are compared as peers.
         dataloader: time every DataLoader ``next()`` as a ``data`` phase (automatic input-wait timing).
+        autostep: infer steps (from optimizer steps) and the data/forward/backward/optimizer phases
+            of a script that marks none (``RANKLENS_AUTOSTEP=0`` turns it off); the script's own
+            :func:`step` / :func:`phase` markers win over it. Inferred steps are stored with
+            ``source = 'inferred'``.
         otel_provider: an OpenTelemetry ``TracerProvider`` to emit one span per step (phases as
             children). Without it, spans are exported only when the standard OTEL_* variables ask
             for it (``OTEL_TRACES_EXPORTER``, ``OTEL_EXPORTER_OTLP_ENDPOINT``).
@@ -198,6 +203,14 @@ def init(
                 _dataloader.patch_dataloader(tracer)
             except Exception:
                 log.exception("ranklens: could not instrument DataLoader; input waits are not timed")
+        if autostep and os.environ.get("RANKLENS_AUTOSTEP", "1").lower() not in ("0", "false", "no"):
+            try:
+                from ranklens.tracing._autostep import AutoStep
+
+                tracer.autostep = AutoStep(tracer).install()
+            except Exception:
+                tracer.autostep = None
+                log.exception("ranklens: could not install step inference; unmarked steps stay unknown")
         _tracer = tracer
         atexit.register(shutdown)
         os.register_at_fork(after_in_child=tracer._after_fork_in_child)
@@ -214,6 +227,8 @@ def shutdown(timeout_s: float = 5.0) -> None:
     if t is None:
         return
     try:
+        if t.autostep is not None:
+            t.autostep.close()  # the last inferred step, before the final flush
         t.shutdown(timeout_s)
         from ranklens.tracing import _dataloader, _ddp, _patch
 

@@ -1,6 +1,8 @@
 """Automatic data-loader wait timing: every ``next()`` on a torch DataLoader iterator is recorded
 as a ``data`` phase of the current step (unless the user already marks one), so a rank stuck
-waiting for its input shows up as such without any code change."""
+waiting for its input shows up as such without any code change. While steps are inferred
+(``_autostep``), the wait goes there: it closes the previous step and counts as the input of the
+next training forward."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ def patch_dataloader(tracer: Any) -> None:
     def __next__(self: Any) -> Any:
         if not tracer.enabled or tracer._phase == "data":
             return orig(self)
+        auto = tracer.autostep
+        if auto is not None and auto.steps_on:  # an unmarked script: the wait feeds step inference
+            return auto.data_wait(orig, self)
         with tracer.phase("data"):
             return orig(self)
 

@@ -2,9 +2,11 @@
 
 It imports nothing heavy. It installs an import hook that waits for
 ``torch.distributed.distributed_c10d`` to be imported and then wraps ``init_process_group`` so that
-``ranklens.tracing.init()`` runs right after the process group exists. Processes that never
-initialise a process group (the torchrun launcher, pip, ...) are left alone. It then runs the
-``sitecustomize`` module it shadows, if there is one. ``RANKLENS_DISABLE=1`` turns it off.
+``ranklens.tracing.init()`` runs right after the process group exists. The hook is installed only
+in training ranks (``RANK`` or ``LOCAL_RANK`` set, as torchrun, torch elastic, Slurm wrappers and
+Kubernetes operators do), so every other Python process under ``ranklens run`` (the torchrun
+launcher, pip, a compiler's worker pool, ...) is left alone. It then runs the ``sitecustomize``
+module it shadows, if there is one, in every process. ``RANKLENS_DISABLE=1`` turns it off.
 """
 
 import functools
@@ -77,7 +79,11 @@ def _chain_shadowed_sitecustomize():
         spec.loader.exec_module(module)
 
 
-if os.environ.get("RANKLENS_DISABLE", "").lower() not in ("1", "true", "yes"):
+def _is_training_rank() -> bool:
+    return bool(os.environ.get("RANK") or os.environ.get("LOCAL_RANK"))
+
+
+if os.environ.get("RANKLENS_DISABLE", "").lower() not in ("1", "true", "yes") and _is_training_rank():
     if _TARGET in sys.modules:
         _patch_c10d(sys.modules[_TARGET])
     else:
