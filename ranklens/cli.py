@@ -915,17 +915,60 @@ def run(store_url: str | None, spool_dir: str, job_id: str | None, no_collect: b
     Every rank calls ranklens.tracing.init() right after init_process_group (DDP included), and
     the spool is shipped into the store while the command runs (unless another collector already
     serves the spool). Exits with the command's exit code. RANKLENS_DISABLE=1 turns tracing off.
+
+    Tracing never keeps the command from starting: with a spool that cannot be written it runs
+    untraced (one warning); with the store down its records stay in the spool and are shipped
+    when the store is up (one warning; a ClickHouse server is retried while the command runs).
     """
     from ranklens.launch import run_traced
 
-    store = None if no_collect else _open(store_url)
+    store, ship_later = (None, None) if no_collect else _open_for_run(store_url)
     result = run_traced(command, store, spool_dir=spool_dir, job_id=job_id, log=lambda s: click.echo(s, err=True))
-    if result.collector:
+    if result.collector and result.store_error:
+        ship_later = getattr(store, "url", None) or ship_later
+        click.echo(
+            f"ranklens run: job {result.job_id} exited {result.returncode}; the store is still unavailable "
+            f"({result.store_error}): {result.left_segments} segment(s) wait in {spool_dir}",
+            err=True,
+        )
+    elif result.collector:
         rows = ", ".join(f"{k} {v:,}" for k, v in sorted(result.rows.items())) or "no records"
         click.echo(f"ranklens run: job {result.job_id} exited {result.returncode}; collected {rows}", err=True)
         if store is not None and result.rows.get("collectives"):
             click.echo(f"ranklens run: next: {_prog()} analyze --job {result.job_id}", err=True)
+    if ship_later and result.traced and (result.store_error or not result.collector):
+        click.echo(
+            f"ranklens run: ship them with: {_prog()} collect --store {ship_later} --spool {spool_dir} "
+            "(a collector serving this spool does it by itself)",
+            err=True,
+        )
     sys.exit(result.returncode)
+
+
+def _open_for_run(store_url: str | None) -> tuple[Any, str | None]:
+    """``ranklens run``'s store, and the URL to ship to later when it is down. A store that is down
+    does not hold training back (issue 22, defect 7): a ClickHouse server is retried while the
+    command runs (LazyStore, as the collector does); an embedded store that cannot be opened leaves
+    the records in the spool. A wrong URL, refused credentials or a schema mismatch still stop it."""
+    from ranklens.errors import StoreAuthError
+    from ranklens.store import LazyStore, default_store_url
+
+    url = store_url or default_store_url()
+    try:
+        return _open(url), None
+    except StoreUnavailableError as e:
+        if isinstance(e, StoreAuthError):
+            raise
+        if url.startswith(("clickhouse://", "clickhouses://")):
+            lazy = LazyStore(url)
+            click.echo(
+                f"ranklens run: warning: {e}; the command starts anyway: its records are spooled and shipped "
+                "when the store is up",
+                err=True,
+            )
+            return lazy, lazy.url
+        click.echo(f"ranklens run: warning: {e}; the command starts anyway, its records stay in the spool", err=True)
+        return None, url
 
 
 @cli.command(epilog=_EPILOG)

@@ -4,6 +4,10 @@ The command runs with ranklens' bootstrap on ``PYTHONPATH`` (every Python proces
 including the ranks torchrun forks, calls ``ranklens.tracing.init()`` right after
 ``init_process_group``), with a job id shared by all its ranks, and — unless a collector already
 serves the spool — with a collector shipping the spool into the store while it runs.
+
+Tracing never stops training from starting (issue 22, defect 7): a spool the ranks cannot write
+(read-only file system, a path through a file, no permission) runs the command untraced after one
+warning; a store that is down is the CLI's business (it ships once the store is up).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import contextlib
 import fcntl
 import os
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -20,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ranklens.collector import Shipper
-from ranklens.config import ENV_JOB_ID, ENV_SPOOL
+from ranklens.collector.shipper import ShipResult
+from ranklens.config import ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL
 from ranklens.errors import ConfigError
 from ranklens.store.api import Store
 
-__all__ = ["BOOTSTRAP_DIR", "RunResult", "collector_lock", "run_traced"]
+__all__ = ["BOOTSTRAP_DIR", "RunResult", "collector_lock", "run_traced", "spool_problem"]
 
 BOOTSTRAP_DIR = str(Path(__file__).with_name("_bootstrap"))
 
@@ -35,6 +41,22 @@ class RunResult:
     returncode: int
     rows: dict[str, int]
     collector: bool
+    traced: bool = True  # False: the spool could not be written, the command ran untraced
+    store_error: str | None = None  # the last shipping pass could not reach the store
+    left_segments: int = 0  # segments of this job still in the spool after the last pass
+
+
+def spool_problem(spool_dir: str | os.PathLike[str]) -> str | None:
+    """Why the ranks could not write segments under ``spool_dir`` (None: they can). Creates the
+    directory when it is missing, like the ranks would."""
+    try:
+        Path(spool_dir).mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".ranklens-probe-", dir=spool_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return None
 
 
 @contextlib.contextmanager
@@ -75,7 +97,19 @@ def run_traced(
     if not command:
         raise ConfigError("ranklens run needs a command after --, e.g. ranklens run -- torchrun ... train.py")
     job_id = job_id or os.environ.get(ENV_JOB_ID) or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    problem = spool_problem(spool_dir)
+    if problem is not None:  # training is not delayed or stopped by tracing: it runs untraced
+        log(
+            f"ranklens run: warning: cannot write the spool {spool_dir} ({problem}): running the command "
+            f"untraced (job {job_id}); pass --spool DIR (or RANKLENS_SPOOL) with a writable directory to trace it"
+        )
+        return RunResult(job_id, _run_child(command, {**os.environ, ENV_DISABLE: "1"}), {}, False, traced=False)
     env = traced_env(dict(os.environ), job_id=job_id, spool_dir=spool_dir)
+    last: list[ShipResult] = []
+
+    def _keep_last(r: ShipResult) -> None:
+        last[:] = [r]
+
     with collector_lock(spool_dir) as own:
         shipper = Shipper(spool_dir, store) if (own and store is not None) else None
         done = threading.Event()
@@ -83,22 +117,33 @@ def run_traced(
         if shipper is not None:
             log(f"ranklens run: job {job_id}, collecting {spool_dir} into {store.url if store else '-'}")
             thread = threading.Thread(
-                target=shipper.run, kwargs={"interval_s": interval_s, "stop": done.is_set}, daemon=True
+                target=shipper.run,
+                kwargs={"interval_s": interval_s, "stop": done.is_set, "on_pass": _keep_last},
+                daemon=True,
             )
             thread.start()
-        else:
+        elif not own:
             log(f"ranklens run: job {job_id}, spool {spool_dir} (served by another collector)")
+        else:
+            log(f"ranklens run: job {job_id}, spool {spool_dir} (not shipped by this run)")
         try:
-            proc = subprocess.Popen(list(command), env=env)
-        except OSError as e:
+            rc = _run_child(command, env)
+        finally:
             done.set()
-            raise ConfigError(f"cannot start {command[0]!r}: {e.strerror}") from None
-        try:
-            rc = proc.wait()
-        except KeyboardInterrupt:
-            proc.terminate()
-            rc = proc.wait()
-        done.set()
         if thread is not None:
             thread.join(timeout=300)
-    return RunResult(job_id, rc, dict(shipper.totals) if shipper else {}, shipper is not None)
+    store_error = last[-1].error if last else None
+    left = sum(1 for _ in Path(spool_dir, job_id).rglob("*.jsonl")) if store_error else 0
+    return RunResult(job_id, rc, dict(shipper.totals) if shipper else {}, shipper is not None, True, store_error, left)
+
+
+def _run_child(command: Sequence[str], env: dict[str, str]) -> int:
+    try:
+        proc = subprocess.Popen(list(command), env=env)
+    except OSError as e:
+        raise ConfigError(f"cannot start {command[0]!r}: {e.strerror}") from None
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return proc.wait()

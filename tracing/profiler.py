@@ -15,6 +15,8 @@ import signal
 import threading
 from typing import Any
 
+from ranklens.tracing._failures import FailureLog
+
 __all__ = ["ProfilerWindows"]
 
 log = logging.getLogger("ranklens.tracing")
@@ -59,6 +61,10 @@ class ProfilerWindows:
         self._first_step = -1
         self.exported: list[str] = []
         self.failures = 0
+        # a window that cannot start or be written fails every N steps: warn once, then count
+        # (issue 22, defect 8)
+        self._start_failures = FailureLog(log, f"ranklens: rank {rank} could not start torch.profiler")
+        self._export_failures = FailureLog(log, f"ranklens: rank {rank} could not export a torch.profiler trace")
         if signum is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signum, lambda *_: self.request())
 
@@ -94,10 +100,10 @@ class ProfilerWindows:
             self._prof.__enter__()
             self._left = self.active_steps
             self._first_step = step
-        except Exception:
+        except Exception as e:
             self._prof = None
             self.failures += 1
-            log.exception("ranklens: could not start torch.profiler")
+            self._start_failures.failed(e, traceback=True)
 
     def step_ended(self, step: int) -> None:
         if self._prof is None:
@@ -114,11 +120,14 @@ class ProfilerWindows:
             prof.export_chrome_trace(tmp)
             os.replace(tmp, path)  # the collector only sees complete traces
             self.exported.append(path)
-        except Exception:
+            self._export_failures.ok()
+        except Exception as e:
             self.failures += 1
-            log.exception("ranklens: could not export the torch.profiler trace")
+            self._export_failures.failed(e, traceback=not isinstance(e, OSError))
 
     def close(self) -> None:
         if self._prof is not None:
             self._left = 1
             self.step_ended(self._first_step)
+        self._start_failures.close()
+        self._export_failures.close()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ranklens.config import node_name
+from ranklens.tracing._failures import FailureLog
 from ranklens.tracing.spool import SpoolWriter
 
 __all__ = ["Tracer"]
@@ -73,6 +74,11 @@ class Tracer:
         self.enabled = True
         self._ident = {"job_id": job_id, "attempt": attempt, "rank": rank}
         self._writer = SpoolWriter(spool_dir, job_id, attempt, rank)
+        # a failure that repeats every flush: one warning, then a count at most once a minute
+        # (issue 22, defect 8: a traceback per flush buried the job's own stderr)
+        self._spool_failures = FailureLog(log, f"ranklens: rank {rank} cannot write the spool under {spool_dir}")
+        self._flush_failures = FailureLog(log, f"ranklens: rank {rank}: a spool flush failed")
+        self._fr_failures = FailureLog(log, f"ranklens: rank {rank}: a flight-recorder dump failed")
         self._buf: list[tuple[str, dict[str, Any]]] = []
         self._buf_lock = threading.Lock()
         self._max = max_buffered
@@ -117,7 +123,6 @@ class Tracer:
         self._cuda_timer: Any = None
         self.clock_error_ns = 0  # worst host/device clock mapping error seen (CUDA timing)
         self.spans: Any = None  # ranklens.tracing.otel.StepSpans, set by init() when asked for
-        self.autostep: Any = None  # ranklens.tracing._autostep.AutoStep, set by init(): inferred steps
         self._step_phases: list[tuple[str, int, int]] = []
         self._pending: list[tuple[Any, dict[str, Any]]] = []
         self._pending_cv = threading.Condition()
@@ -169,12 +174,18 @@ class Tracer:
             by_table: dict[str, list[dict[str, Any]]] = {}
             for table, row in rows:
                 by_table.setdefault(table, []).append(row)
+            error: OSError | None = None
+            lost = 0
             for table, trows in by_table.items():
                 try:
                     self._writer.write(table, trows)
-                except OSError:
+                except OSError as e:
                     self._drops[f"{table}:spool_write_failed"] += len(trows)
-                    log.exception("ranklens: cannot write the spool under %s", self.spool_dir)
+                    error, lost = e, lost + len(trows)
+            if error is not None:
+                self._spool_failures.failed(error, lost)
+            else:
+                self._spool_failures.ok()
 
     # -- PyTorch's flight recorder ----------------------------------------------------------
     @property
@@ -207,9 +218,9 @@ class Tracer:
             self._fr_last_ns = self.clock()
             log.warning("ranklens: flight-recorder dump of rank %d (%s): %s", self.rank, reason, path)
             return path
-        except Exception:
+        except Exception as e:
             self._drops["flight_recorder:dump_failed"] += 1
-            log.exception("ranklens: flight-recorder dump failed")
+            self._fr_failures.failed(e, traceback=not isinstance(e, OSError))
             return None
 
     def _maybe_dump_fr(self, now: int) -> None:
@@ -275,8 +286,8 @@ class Tracer:
         while not self._stop.wait(self._interval):
             try:
                 self.flush()
-            except Exception:  # never let the flusher die silently
-                log.exception("ranklens: flush failed")
+            except Exception as e:  # never let the flusher die silently (nor flood: see FailureLog)
+                self._flush_failures.failed(e, traceback=True)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the background thread and write what is left (bounded by ``timeout_s``)."""
@@ -302,8 +313,10 @@ class Tracer:
             self.add("collectives", _row)
         try:
             self.flush()
-        except Exception:
-            log.exception("ranklens: final flush failed")
+        except Exception as e:
+            self._flush_failures.failed(e, traceback=True)
+        for failures in (self._spool_failures, self._flush_failures, self._fr_failures):
+            failures.close()  # what the rate limit held back
         self.enabled = False
 
     def _after_fork_in_child(self) -> None:
@@ -319,8 +332,6 @@ class Tracer:
     @contextlib.contextmanager
     def step(self, n: int, **info: Any) -> Iterator[None]:
         """Time training step ``n``; ``info`` may carry samples, tokens, loss, grad_norm."""
-        if self.autostep is not None:  # explicit steps win: inference stops
-            self.autostep.explicit("step")
         start = self.clock()
         self._step = n
         prof = self.profiler
@@ -350,8 +361,6 @@ class Tracer:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time a phase (data, forward, backward, optimizer, or any name) of the current step."""
-        if self.autostep is not None:  # explicit phases win: phase inference stops
-            self.autostep.explicit("phase")
         start = self.clock()
         outer, outer_start = self._phase, self._phase_start
         self._phase, self._phase_start = name, start
