@@ -18,7 +18,10 @@ states = st.multiselect("state", ["open", "resolved"], default=["open", "resolve
 shown = found[found["state"].isin(states)] if states else found
 st.dataframe(
     shown.assign(
-        suspects=[", ".join(map(str, r)) for r in shown["suspect_ranks"]],
+        suspects=[
+            ", ".join(str(x) for x in r if int(x) >= 0) or ", ".join(h)
+            for r, h in zip(shown["suspect_ranks"], shown["suspect_hosts"])
+        ],
         impact_s=shown["impact_s"].round(3),
         impact_gpu_s=shown["impact_gpu_s"].round(3),
         step_time_pct=shown["step_time_pct"].round(1),
@@ -58,11 +61,15 @@ c[1].metric("GPU time lost", f"{float(f['impact_gpu_s']):.2f} GPU-s")
 c[2].metric("share of step time", f"{float(f['step_time_pct']):.1f} %")
 c[3].metric("confidence", f"{float(f['confidence']):.2f}")
 c[4].metric("state", str(f["state"]))
-suspects = [int(r) for r in f["suspect_ranks"]]
+suspects = [int(r) for r in f["suspect_ranks"] if int(r) >= 0]
 hosts = list(f["suspect_hosts"])
+if not suspects and ev.get("ranks"):  # a finding about a node: its ranks are the evidence
+    suspects = [int(r) for r in ev["ranks"]]
+    who = f"node {', '.join(hosts)} (ranks {', '.join(map(str, suspects))})"
+else:
+    who = f"ranks {', '.join(map(str, suspects)) or '—'}" + (f" on {', '.join(hosts)}" if hosts else "")
 st.markdown(
-    f"**Suspects:** ranks {', '.join(map(str, suspects)) or '—'}"
-    + (f" on {', '.join(hosts)}" if hosts else "")
+    f"**Suspects:** {who}"
     + (f" · GPUs {', '.join(f['suspect_gpus'])}" if len(f["suspect_gpus"]) else "")
     + (f" · links {', '.join(f['suspect_links'])}" if len(f["suspect_links"]) else "")
     + f"  \n**Seen:** steps {int(f['first_seen_step'])}-{int(f['last_seen_step'])}"

@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from ranklens.analyzers import find_stragglers, latest_job
 from ranklens.analyzers.coverage import analysis_coverage
@@ -88,3 +91,27 @@ def test_report_says_what_is_missing(store, tmp_path):
 def test_explicit_steps_report_explicit(store):
     store.write_many(synthetic_job(job_id="marked"))
     assert analysis_coverage(store, "marked").step_source == "explicit"
+
+
+def test_dashboard_pages_draw_a_job_without_steps(tmp_path, monkeypatch):
+    pytest.importorskip("streamlit")
+    from streamlit.testing.v1 import AppTest
+
+    from ranklens.analyzers import save_findings
+    from ranklens.dashboards.ui import PAGES
+    from ranklens.store import open_store
+
+    store = open_store(f"embedded://{tmp_path}/store")
+    store.write_many(_stepless(slow_rank=2, slow_from=4, steps=16))
+    save_findings(store, find_stragglers(store, "job-nosteps"))
+    monkeypatch.setenv("RANKLENS_STORE", store.url)
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "dashboards" / "app.py"), default_timeout=120)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any("no step markers" in i.value for i in at.info), [i.value for i in at.info]
+    assert "job-nosteps" in at.dataframe[0].value["job_id"].tolist()
+    assert at.get("arrow_vega_lite_chart") or at.get("vega_lite_chart"), "no blame chart drawn"
+    for script, _title, _path in PAGES.values():
+        at.switch_page(script).run()
+        assert not at.exception, (script, [e.value for e in at.exception])
+        assert not at.error, (script, [e.value for e in at.error])
