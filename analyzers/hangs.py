@@ -20,8 +20,13 @@ Decision (:func:`analyze_flight_recorder`):
 - Each origin is one finding; pendings that are consequences of it (e.g. the collective the
   diverged rank went on to, which its peers never issued) are listed in its evidence only.
 
-Nothing is timed here: FR has no training steps (``first_seen_step`` is -1) and gloo records no
-durations. The findings are the same whether dumps came as pickle or JSON.
+Nothing is timed here: FR has no training steps and gloo records no durations. A finding carries
+the step (``first_seen_step``, ``evidence["step"]``) only when something else recorded it: the
+job's ledger in the store (:func:`steps_from_store`), else it is -1. The world size and the
+groups' members come from the dumps' process-group tables and group sizes; a rank whose dump is
+unreadable is named as such and not taken for one that left none; a rank without a dump that
+died of a peer's mismatched collective is that mismatch's victim, not a crash of its own. The
+findings are the same whether dumps came as pickle or JSON.
 """
 
 from __future__ import annotations
@@ -497,20 +502,27 @@ def _with_step(f: Finding, step_of: Callable[[str, int], int | None]) -> Finding
     step = step_of(str(pg.get("name", "")), int(f.evidence.get("seq", -1)))
     if step is None or step < 0:
         return f
-    ev = {**f.evidence, "step": step, "step_source": "arrival ledger (the collectives table) of the job"}
+    ev = {**f.evidence, "step": step, "step_source": "the job's arrival ledger and heartbeats in the store"}
     return dataclasses.replace(f, first_seen_step=step, last_seen_step=step, evidence=ev)
 
 
 def steps_from_store(store: Store, job_id: str, attempt: int = 0) -> Callable[[str, int], int | None]:
-    """The training step of a ``(pg, seq)`` from the job's arrival ledger: the step during which
-    the members entered that collective, else the newest step at which any member entered an
-    earlier one of the group (the culprit never entered the collective itself). None when the
-    ledger has no step for the group (no such job in the store, or no steps marked)."""
+    """The training step of a ``(pg, seq)`` from what ranklens' tracer recorded of the job: the
+    step of the members' ledger rows of that collective (completed or failed), else of the
+    heartbeats of members that were still in it (an in-flight collective has no row yet). None
+    when neither knows (no such job in the store, or no steps marked)."""
+    where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
 
     def step_of(pg: str, seq: int) -> int | None:
         n, top = store.query(
-            f"SELECT count(), max(step) FROM collectives WHERE job_id = '{_esc(job_id)}' "
-            f"AND attempt = {int(attempt)} AND pg = '{_esc(pg)}' AND seq <= {int(seq)} AND step >= 0"
+            f"SELECT count(), max(step) FROM collectives WHERE {where} AND pg = '{_esc(pg)}' AND seq = {int(seq)} "
+            "AND step >= 0"
+        ).rows()[0]
+        if n:
+            return int(top)
+        n, top = store.query(
+            f"SELECT count(), max(step) FROM heartbeats WHERE {where} AND step >= 0 AND "
+            f"arrayExists((p, s) -> p = '{_esc(pg)}' AND s = {int(seq)}, pending_pgs, pending_seqs)"
         ).rows()[0]
         return int(top) if n else None
 

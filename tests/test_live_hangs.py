@@ -108,6 +108,22 @@ def test_sleeping_rank_is_named_before_the_gloo_timeout(job, embedded_store):
     assert sorted(d.rank for d in dumps) == [0, 1, 2, 3]
     post = analyze_flight_recorder(dumps)
     assert [(p.kind, [s.rank for s in p.suspects]) for p in post] == [("hang", [2])]
+    # from the CLI, the dumps' place in the spool names the job, and the job's ledger in the store
+    # gives the step the hang happened in (FR itself knows no steps)
+    import json
+
+    from click.testing import CliRunner
+
+    from ranklens.cli import cli
+
+    r = CliRunner().invoke(
+        cli, ["analyze", "--flight-recorder", str(fr_dir), "--store", embedded_store.url, "--json", "--no-save"]
+    )
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert (out["job_id"], out["attempt"], out["missing_dumps"]) == (j.job_id, 0, [])
+    [pf] = out["findings"]
+    assert pf["job_id"] == j.job_id and pf["first_seen_step"] == pf["evidence"]["step"] == 3
 
 
 def test_exited_rank_is_named_as_crashed(job, embedded_store):
