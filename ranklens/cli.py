@@ -219,13 +219,16 @@ def _print_findings(findings: list[Any], coverage: Any = None) -> None:
     type=click.Path(exists=True),
     default=None,
     help="Post-mortem: analyze PyTorch flight-recorder dumps (pickle or JSON, NCCL or gloo) in this "
-    "directory instead of the store; findings: hang, crash, desync, size_mismatch.",
+    "directory instead of the store; findings: hang, crash, desync, size_mismatch. Dumps under "
+    "<spool>/<job>/<attempt>/fr/ name their job; with --store, the job's ledger gives the step. An "
+    "unreadable dump is reported (exit 6, nothing saved) and the others are still analysed.",
 )
 @click.option(
     "--world-size",
     type=click.IntRange(1),
     default=None,
-    help="With --flight-recorder: ranks of the job (lets a missing highest rank be named).",
+    help="With --flight-recorder: ranks of the job (default: from the dumps' process-group tables and "
+    "group sizes, else the highest dumped rank + 1).",
 )
 @click.option("--json", "as_json", is_flag=True, help='Print {"findings": [...]} as one JSON object.')
 @click.option("--no-save", is_flag=True, help="Do not write the findings to the store.")
@@ -233,7 +236,8 @@ def _print_findings(findings: list[Any], coverage: Any = None) -> None:
     "--follow",
     is_flag=True,
     help="Keep analyzing the (live) job; print findings as they open, change "
-    "and resolve (JSON Lines with --json). Stop with Ctrl-C.",
+    "and resolve (JSON Lines with --json). Started before the job has written anything, it waits "
+    "for it. Stop with Ctrl-C.",
 )
 @click.option(
     "--interval",
@@ -494,7 +498,7 @@ def _analyze_flight_recorder(
     job_id = job_id or (from_path[0] if from_path else infer_job_id(dumps))
     if attempt is None:
         attempt = from_path[1] if from_path and from_path[0] == job_id else 0
-    store = _open(store_url, create=False) if store_url else None
+    store = _open(store_url, create=not no_save) if store_url else None  # created to save into, as before
     step_of = steps_from_store(store, job_id, attempt) if store is not None else None
     findings = analyze_flight_recorder(
         dumps, world_size=world_size, job_id=job_id, attempt=attempt, unreadable=unreadable, step_of=step_of
