@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 
 from ranklens.analyzers import find_stragglers
+from ranklens.analyzers.recovery.engine import target_for
+from ranklens.analyzers.recovery.policy import Level
 from ranklens.simulate import simulate
 
 # (faults, pp, tp) — 64 ranks: 8 nodes of 8
@@ -38,6 +40,9 @@ def test_slow_node_is_one_finding_about_the_node(embedded_store):
     assert [(s.rank, s.node) for s in f.suspects] == [(-1, "node0003")], f.title
     assert f.evidence["ranks"] == sorted(truth["culprit_ranks"]) and "node node0003" in f.title
     assert f.to_json()["suspects"] == [{"rank": -1, "node": "node0003", "gpu": "", "link": ()}]
+    # recovery acts on the node's ranks (restart) or on the node (replace), not on the whole job
+    assert target_for(f, Level.RESTART_RANK) == f"rank:{','.join(map(str, f.evidence['ranks']))}"
+    assert target_for(f, Level.REPLACE_NODE) == "node:node0003"
 
 
 def _run(store, name):

@@ -42,7 +42,10 @@ def target_for(f: Finding, level: Level) -> str:
     A node whose host is unknown is named after its ranks (``node-of-rank:2``), which, unlike a
     host, is scoped to the job.
     """
-    ranks = ",".join(str(r) for r in sorted({s.rank for s in f.suspects if s.rank >= 0}))
+    named = {s.rank for s in f.suspects if s.rank >= 0}
+    if not named and any(s.node for s in f.suspects):  # a finding about a node: its ranks are evidence
+        named = {int(r) for r in f.evidence.get("ranks", [])}
+    ranks = ",".join(str(r) for r in sorted(named))
     if level is Level.RESTART_JOB or not ranks:
         return f"job:{f.job_id}"
     if level is Level.REPLACE_NODE:
