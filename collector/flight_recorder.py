@@ -870,7 +870,8 @@ def ingest_flight_recorder(
     Args:
         store: where to write.
         paths: dump files and/or directories (see :func:`load_dumps`).
-        job_id: the job; default: :func:`infer_job_id` of the dumps.
+        job_id: the job; default: the ``<job>`` of ``<spool>/<job>/<attempt>/fr/`` where the dumps
+            lie there (see :func:`job_from_path`), else :func:`infer_job_id` of the dumps.
         attempt: the restart attempt.
         world_size: the number of ranks, when known (membership of the default group).
 
@@ -885,7 +886,8 @@ def ingest_flight_recorder(
     from ranklens.records import to_arrow
 
     dumps = load_dumps(paths)
-    job = job_id or infer_job_id(dumps)
+    from_path = job_from_path([d.source_path for d in dumps])  # dumps the tracer wrote into its spool
+    job = job_id or (from_path[0] if from_path else infer_job_id(dumps))
     parts = []
     for d in dumps:
         try:

@@ -554,7 +554,7 @@ def test_deeply_nested_json_dump_is_bad_input_exit_6_and_the_others_are_analysed
         parse_dump(obj, source_path="x/fr_trace_rank_1.json")
 
 
-def test_job_and_attempt_from_the_spool_path(tmp_path):
+def test_job_and_attempt_from_the_spool_path(tmp_path, embedded_store):
     from ranklens.collector.flight_recorder import job_from_path
 
     fr = _copy(DATA / "desync" / "fr_json", tmp_path / "spool" / "train-42" / "3" / "fr")
@@ -563,3 +563,5 @@ def test_job_and_attempt_from_the_spool_path(tmp_path):
     out = json.loads(_cli("analyze", "--flight-recorder", str(tmp_path / "spool" / "train-42"), "--json").stdout)
     assert (out["job_id"], out["attempt"]) == ("train-42", 3)
     assert {f["job_id"] for f in out["findings"]} == {"train-42"}
+    assert ingest_flight_recorder(embedded_store, fr)["collectives"] > 0
+    assert embedded_store.query("SELECT DISTINCT job_id FROM collectives").rows() == [("train-42",)]
