@@ -1,5 +1,13 @@
 """Wrapping torch.distributed's collective and p2p functions to feed the arrival ledger.
 
+Which collectives there were comes from torch's flight-recorder ring (``_ledger``): it holds every
+c10d collective whatever API issued it (FSDP2, DTensor's functional collectives, DDP's reducer,
+coalesced groups), so this list of names is not what makes the ledger complete. The wrappers add
+what the ring lacks: the completion time on gloo, and p2p (gloo's ring does not record p2p; NCCL's
+has no peer). On a group the ring covers a wrapped collective files a claim that the ledger numbers
+with the ring's ``(pg, seq)``; elsewhere (no ring: ``TORCH_FR_BUFFER_SIZE=0``, ``RANKLENS_FR_LEDGER=0``,
+backends other than gloo/NCCL) it takes a seq of its own, as before.
+
 Each wrapper records arrival (enter) before calling torch, and completion either when the call
 returns (sync) or when its Work's future completes (``async_op=True``, ``isend``/``irecv``), so a
 late ``wait()`` does not stretch the measured time. Recording errors are counted, never raised;
@@ -11,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import threading
 from typing import Any
 
@@ -29,6 +38,9 @@ _OPS: dict[str, tuple[str | None, str | None]] = {
     "reduce_scatter_tensor": ("input", None),
     "all_to_all": ("input_tensor_list", None),
     "all_to_all_single": ("input", None),
+    "all_gather_single": ("input_tensor", None),
+    "reduce_scatter_single": ("input", None),
+    "all_reduce_coalesced": ("tensors", None),
     "gather": ("tensor", None),
     "scatter": ("tensor", None),
     "barrier": (None, None),
@@ -37,6 +49,8 @@ _OPS: dict[str, tuple[str | None, str | None]] = {
     "isend": ("tensor", "send"),
     "irecv": ("tensor", "recv"),
 }
+
+ENV_FR_LEDGER = "RANKLENS_FR_LEDGER"  # 0: no flight-recorder ring, the wrappers' own seqs only
 
 _originals: dict[tuple[Any, str], Any] = {}
 # torch implements some ops with others (send -> isend): record only the outermost call.
@@ -105,6 +119,7 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         row = None
+        claim = None
         cuda_start = None
         if getattr(_inside, "depth", 0):
             return fn(*args, **kwargs)
@@ -127,7 +142,12 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
                         me = tracer.rank
                         src, dst = (me, peer) if p2p == "send" else (peer, me)
                         pg = f"{pg}/p2p:{src}->{dst}"
-                    row = tracer.collective_entered(pg, tracer.next_seq(pg), name, nbytes, dtype, peer, async_op)
+                    ledger = tracer.ledger
+                    if p2p is None and ledger is not None and ledger.covers(pg, g, dist):
+                        claim = ledger.entered(pg, name, nbytes, dtype, async_op)
+                        row = claim.row
+                    else:
+                        row = tracer.collective_entered(pg, tracer.next_seq(pg), name, nbytes, dtype, peer, async_op)
                     if _is_cuda(tensor):
                         # arrival = when the compute stream reaches the collective (a CUDA event)
                         cuda_start = tracer.cuda_timer().begin()
@@ -146,6 +166,8 @@ def _wrap(tracer: Any, name: str, fn: Any, c10d: Any) -> Any:
             raise
         finally:
             _inside.depth = 0
+            if claim is not None:
+                claim.t1 = tracer.clock()  # the ring's entry of this call was created before this
         if row is not None:
             try:
                 if cuda_start is not None and not (result is not None and hasattr(result, "is_completed")):
@@ -257,9 +279,16 @@ def _wrap_mesh_init(tracer: Any, init: Any) -> Any:
 
 def patch(tracer: Any) -> None:
     """Install wrappers on ``torch.distributed`` and ``torch.distributed.distributed_c10d``, and on
-    ``DeviceMesh`` (its dimension names give the rank's pp/tp/dp coordinates)."""
+    ``DeviceMesh`` (its dimension names give the rank's pp/tp/dp coordinates); start reading
+    torch's flight-recorder ring into the ledger (``tracer.ledger``) unless ``RANKLENS_FR_LEDGER=0``
+    or torch records no ring here."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+
+    if tracer.ledger is None and os.environ.get(ENV_FR_LEDGER, "1").strip().lower() not in ("0", "false", "no"):
+        from ranklens.tracing._ledger import Ledger
+
+        tracer.ledger = Ledger.create(tracer)
 
     try:
         from torch.distributed.device_mesh import DeviceMesh

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -84,6 +84,8 @@ class Tracer:
         self._max = max_buffered
         self._drops: Counter[str] = Counter()
         self._drops_reported: Counter[str] = Counter()
+        self.ledger: Any = None  # ranklens.tracing._ledger.Ledger (set by _patch.patch): the ring's collectives
+        self._step_marks: deque[tuple[int, int]] = deque(maxlen=8192)  # (ns, step) at every step change
         self._step = -1
         self._phase = ""
         self._seq: dict[str, int] = {}
@@ -151,6 +153,8 @@ class Tracer:
         with self._flush_lock:
             if os.getpid() != self._pid:
                 return
+            if self.ledger is not None:  # the flight-recorder ring's new collectives (tracing/_ledger.py)
+                self.ledger.poll(self.clock(), force=self._stop.is_set())
             rows = self._take()
             now = self.clock()
             rows.append(("heartbeats", self._heartbeat(now)))
@@ -329,6 +333,17 @@ class Tracer:
         self._pending_cv = threading.Condition()
 
     # -- steps and phases -------------------------------------------------------------------
+    @property
+    def _step(self) -> int:
+        """The step this rank is in (-1 none). Every change is marked with its time, so that rows
+        read later (the flight-recorder ring's collectives) get the step they were issued in."""
+        return self._step_now
+
+    @_step.setter
+    def _step(self, n: int) -> None:
+        self._step_now = n
+        self._step_marks.append((self.clock(), n))
+
     @contextlib.contextmanager
     def step(self, n: int, **info: Any) -> Iterator[None]:
         """Time training step ``n``; ``info`` may carry samples, tokens, loss, grad_norm."""
@@ -420,6 +435,8 @@ class Tracer:
 
     def collective_completed(self, row: dict[str, Any], end_ns: int | None = None) -> None:
         row["end_ns"] = self.clock() if end_ns is None else end_ns
+        if row["seq"] <= 0 and self.ledger is not None and self.ledger.hold(row):
+            return  # its seq comes from the flight-recorder ring: the ledger writes it then
         pg, seq = row["pg"], row["seq"]
         self._inflight.pop((pg, seq), None)
         if seq > self._completed.get(pg, -1):
@@ -446,8 +463,10 @@ class Tracer:
 
     def collective_failed(self, row: dict[str, Any]) -> None:
         """The call raised (timeout, peer gone): it is no longer in flight; keep its arrival."""
-        self._inflight.pop((row["pg"], row["seq"]), None)
         row["end_ns"] = -1
+        if row["seq"] <= 0 and self.ledger is not None and self.ledger.hold(row):
+            return  # its seq comes from the flight-recorder ring: the ledger writes it then
+        self._inflight.pop((row["pg"], row["seq"]), None)
         self.add("collectives", row)
         if self.clock() - self._fr_last_ns > 5_000_000_000:  # once per failure burst
             self.dump_flight_recorder(f"{row['op']} #{row['seq']} of pg {row['pg']} failed")

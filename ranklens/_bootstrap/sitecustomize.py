@@ -84,6 +84,11 @@ def _is_training_rank() -> bool:
 
 
 if os.environ.get("RANKLENS_DISABLE", "").lower() not in ("1", "true", "yes") and _is_training_rank():
+    # torch's flight-recorder ring is where the arrival ledger comes from (tracing/_ledger.py); torch
+    # sizes it once, before the first process group exists, and some versions default it to 0. A
+    # size the user chose (0 included) stands.
+    if not os.environ.get("TORCH_FR_BUFFER_SIZE") and not os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
     if _TARGET in sys.modules:
         _patch_c10d(sys.modules[_TARGET])
     else:
