@@ -252,3 +252,19 @@ def test_failure_log_reports_once_then_at_most_once_per_interval():
     f.ok()
     f.close()
     assert len(records) == 3 and "works again; 1 more failure(s)" in records[2] and "in all 122" in records[2]
+
+
+def test_profiler_windows_that_cannot_be_written_warn_once(tmp_path, caplog):
+    from ranklens.tracing.profiler import ProfilerWindows
+
+    (tmp_path / "a-file").write_text("")
+    w = ProfilerWindows(str(tmp_path / "a-file" / "kineto"), 0, every=1)
+    with caplog.at_level(logging.WARNING, logger="ranklens.tracing"):
+        for step in range(4):  # a window every step, each export fails
+            w.step_started(step)
+            w.step_ended(step)
+        w.close()
+    msgs = [r.getMessage() for r in caplog.records if "torch.profiler" in r.getMessage()]
+    assert w.failures == 4 and w.exported == []
+    assert len(msgs) == 2 and "could not export" in msgs[0] and "3 more failure(s)" in msgs[1], msgs
+    assert not any(r.exc_info for r in caplog.records)  # an OSError is a condition, not a bug: no traceback
