@@ -268,3 +268,22 @@ def test_profiler_windows_that_cannot_be_written_warn_once(tmp_path, caplog):
     assert w.failures == 4 and w.exported == []
     assert len(msgs) == 2 and "could not export" in msgs[0] and "3 more failure(s)" in msgs[1], msgs
     assert not any(r.exc_info for r in caplog.records)  # an OSError is a condition, not a bug: no traceback
+
+
+def test_embedded_store_that_cannot_be_opened_trains_and_keeps_the_records(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    bad = f"embedded://{tmp_path / 'a-file' / 'store'}"
+    spool = tmp_path / "spool"
+    p = subprocess.run(
+        _ranklens_run("--store", bad, "--spool", str(spool), "--job-id", "emb"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "trained 3 steps on rank 0" in p.stdout
+    warnings = _lines(p.stderr, "ranklens run: warning:")
+    assert len(warnings) == 1 and "cannot create the embedded store" in warnings[0]
+    assert len(_lines(p.stderr, "ship them with: ")) == 1 and "Traceback" not in p.stderr
+    assert list((spool / "emb").rglob("collectives.*.jsonl"))  # traced, kept for later
