@@ -431,10 +431,8 @@ def _follow(
 ) -> None:
     import time
 
-    from ranklens.analyzers import save_findings
-    from ranklens.analyzers.job import FindingTracker, analyze_job
+    from ranklens.live_service import LiveAnalysis
 
-    tracker = FindingTracker()
     exporter = None
     if metrics_port is not None:
         from prometheus_client import CollectorRegistry
@@ -452,25 +450,17 @@ def _follow(
         click.echo(f"metrics on http://{shown}:{server.port}/metrics", err=True)
     if not as_json:
         click.echo(f"following job {job_id} attempt {attempt} every {interval:g} s (Ctrl-C to stop)", err=True)
+    live = LiveAnalysis(store, job_id, attempt, save=save, engine=engine, exporter=exporter, window_steps=window_steps)
+
+    def emit(event: str, f: Any) -> None:
+        if as_json:
+            click.echo(json.dumps({"event": event, "finding": f.to_json()}, default=_json_default))
+        else:
+            stamp = time.strftime("%H:%M:%S")
+            click.echo(f"{stamp} {event:8s} [{f.severity.value.upper()}] {f.kind}: {f.title}")
+
     try:
-        while True:
-            current = analyze_job(store, job_id, attempt, window_steps=window_steps)
-            update = tracker.update(current)
-            changed = update.all()
-            if save and changed:
-                save_findings(store, changed)
-            if exporter is not None:
-                exporter.update(list(tracker.open.values()))
-            if engine is not None and update.new + update.changed:
-                engine.process(update.new + update.changed)
-            for event, items in (("new", update.new), ("changed", update.changed), ("resolved", update.resolved)):
-                for f in items:
-                    if as_json:
-                        click.echo(json.dumps({"event": event, "finding": f.to_json()}, default=_json_default))
-                    else:
-                        stamp = time.strftime("%H:%M:%S")
-                        click.echo(f"{stamp} {event:8s} [{f.severity.value.upper()}] {f.kind}: {f.title}")
-            time.sleep(interval)
+        live.run(emit, interval=interval)
     except KeyboardInterrupt:
         return
 

@@ -6,8 +6,10 @@ pass over the job's final state, which no longer shows a hang that ended with th
 puts the two together: the findings of this pass, then the job's earlier ones that this pass did
 not see, each with when it opened and when it closed (issue 21, item 4).
 
-It also lets ``--follow`` start before the job: :func:`wait_for_job` waits, saying so, until the
-store exists and the job has written its first records.
+It also runs the live loop itself (:class:`LiveAnalysis`: one pass after another, findings turned
+into new / changed / resolved events, saved, exported and handed to the recovery engine), and lets
+``--follow`` start before the job: :func:`wait_for_job` waits, saying so, until the store exists and
+the job has written its first records. The CLI only prints.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ranklens.analyzers.findings import Finding, finding_from_row, latest_columns, strip_latest
+from ranklens.analyzers.findings import Finding, finding_from_row, latest_columns, save_findings, strip_latest
+from ranklens.analyzers.job import FindingTracker, Update, analyze_job
 from ranklens.errors import StoreUnavailable
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
-__all__ = ["FindingHistory", "StoredFinding", "job_history", "wait_for_job"]
+__all__ = ["FindingHistory", "LiveAnalysis", "StoredFinding", "job_history", "wait_for_job"]
 
 
 @dataclass(frozen=True)
@@ -143,3 +146,70 @@ def wait_for_job(
             say(f"waiting for {what} (Ctrl-C to stop)")
             said = what
         sleep(interval)
+
+
+class LiveAnalysis:
+    """The live analysis of one job attempt, pass after pass.
+
+    Each pass analyzes the job's recent window, turns the findings into events (a finding is *new*
+    the first time its id is seen, *changed*, *resolved* when it stops appearing), saves a version
+    of each finding that changed (so a later ``analyze --job`` still shows it), updates the
+    exporter's gauges and hands new and changed findings to the recovery engine.
+
+    Args:
+        store: the job's store.
+        job_id, attempt: the job.
+        save: write changed findings to the store.
+        engine: a recovery engine (``process(findings)``), or None.
+        exporter: a Prometheus findings exporter (``update(open findings)``), or None.
+        window_steps: steps of the straggler analysis window (each pass costs the same however
+            long the job has run).
+        analyze: the analysis of one pass (default: :func:`~ranklens.analyzers.job.analyze_job`).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        job_id: str,
+        attempt: int,
+        *,
+        save: bool = True,
+        engine: Any = None,
+        exporter: Any = None,
+        window_steps: int = 500,
+        analyze: Callable[..., list[Finding]] = analyze_job,
+    ) -> None:
+        self.store, self.job_id, self.attempt = store, job_id, attempt
+        self.save, self.engine, self.exporter = save, engine, exporter
+        self.window_steps = window_steps
+        self._analyze = analyze
+        self.tracker = FindingTracker()
+
+    def run_pass(self) -> Update:
+        """One pass; returns its events."""
+        current = self._analyze(self.store, self.job_id, self.attempt, window_steps=self.window_steps)
+        update = self.tracker.update(current)
+        changed = update.all()
+        if self.save and changed:
+            save_findings(self.store, changed)
+        if self.exporter is not None:
+            self.exporter.update(list(self.tracker.open.values()))
+        if self.engine is not None and update.new + update.changed:
+            self.engine.process(update.new + update.changed)
+        return update
+
+    def run(
+        self,
+        emit: Callable[[str, Finding], None],
+        *,
+        interval: float,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """Pass after pass every ``interval`` seconds, calling ``emit(event, finding)`` for each
+        event, until interrupted (KeyboardInterrupt propagates)."""
+        while True:
+            update = self.run_pass()
+            for event, items in (("new", update.new), ("changed", update.changed), ("resolved", update.resolved)):
+                for f in items:
+                    emit(event, f)
+            sleep(interval)
