@@ -58,21 +58,25 @@ MAX_TRAILER_LINES = 200
 
 _SEV_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2, Severity.CRITICAL: 3}
 
-# A prefix that torchrun / pdsh / DeepSpeed put before every line of a rank's output.
-_PREFIX_RE = re.compile(rb"(?:[\w.\-]+: (?=\[))?(?:\[(?:rank|default)\d+\]: ?)?")
+# A prefix that torchrun / pdsh / DeepSpeed / mpirun put before every line of a rank's output
+# (``host: ``, ``[1,5]<stderr>:``, ``[default3]:``, ``[rank3]:``, ``[default3]:[rank3]: ``).
+_PREFIX_RE = re.compile(rb"(?:[\w.\-]+: (?=\[))?(?:\[\d+,\d+\]<std(?:out|err)>: ?)?(?:\[(?:rank|default)\d+\]: ?)*")
 _TRACEBACK = b"Traceback (most recent call last):"
 _TRAILER_RE = re.compile(
     rb"^\s*(?:what\(\):|Exception raised from .* \(most recent call first\)|frame #\d+: |"
     rb"CUDA kernel errors might be asynchronously reported|For debugging consider passing CUDA_LAUNCH_BLOCKING|"
-    rb"Compile with .TORCH_USE_CUDA_DSA|Device-side assertions? )"
+    rb"Compile with .TORCH_USE_CUDA_DSA|Device-side assertions? |Search for .cudaError[A-Za-z]*. in )"
 )
 _CHAIN = (
     b"During handling of the above exception, another exception occurred:",
     b"The above exception was the direct cause of the following exception:",
 )
 _SEPARATOR_RE = re.compile(rb"^={20,}\s*$")
+# NCCL's exception text ends with "Last error:" and the line NCCL logged last (which may name a CUDA
+# error): both belong to the exception before them, whatever that line matches
+_LAST_ERROR = b"Last error:"
 
-_RANK_PREFIX_RE = re.compile(r"^(?:[\w.\-]+: )?\[rank(\d+)\]:")
+_RANK_PREFIX_RE = re.compile(r"^(?:[\w.\-]+: )?(?:\[default\d+\]: ?)?\[rank(\d+)\]:")
 _RANK_WORD_RE = re.compile(r"\bRank (\d+)\b")
 
 _TS_ISO_RE = re.compile(
@@ -448,30 +452,126 @@ class StreamFilter:
     def _extent(
         self, work: Any, ls: int, le: int, limit: int, rule: Rule, cands: dict[int, Any], idle: bool
     ) -> tuple[int, Rule, bool] | None:
-        """End offset of the event starting at ``ls``, the rule that classifies it, truncated?"""
-        prefix = _PREFIX_RE.match(work, ls, le)
-        pre = work[ls : prefix.end()] if prefix else b""
-        pos = le + 1
-        lines = 1
-        if rule.block == "traceback":
-            r = _traceback_end(work, pos, limit, pre, idle)
-            if r is None:
-                return None
-            pos, n = r
-            lines += n
-        r2 = _trailers_end(work, ls, pos, limit, pre, idle, lines)
-        if r2 is None:
-            return None
-        end, lines = r2
-        truncated = lines >= MAX_EVENT_LINES
+        """End offset of the event starting at ``ls``, the rule that classifies it, truncated?
+
+        The event grows by *units* that explain the line before them: a C++/CUDA trailer line, a
+        Python traceback (one per link of a chain), a torchrun ``ChildFailedError`` summary. A
+        unit joins while its lines name no class, or the event's class; a unit that names another
+        class ends the event (it starts its own; a chain's "During handling ..." lines stay with the
+        first link). A generic first line (a traceback, ``terminate
+        called ...``, a header such as "Process 1 terminated with the following error:") takes the
+        class of the first unit that names one. A new traceback that names no class does not join
+        an event that already has one (it is its own report); a chained one does. After a
+        traceback, a line of the same class continues the exception's message, and NCCL's
+        "Last error:" with the line after it always does."""
+        m = _PREFIX_RE.match(work, ls, le)
+        pre = work[ls : m.end()] if m else b""
+        key = pre.rstrip()
+        klass = None if rule.generic else rule.klass
         best = rule
-        if end > le + 1:  # a block: the most specific rule on any of its lines decides
-            for cls in sorted(k for k in cands if le < k < end):
-                cl = cls
-                r = self._lf.classify_line(_decode(work[cl : work.find(b"\n", cl, end)]), cands[cls])
-                if r is not None and r.action is Action.KEEP and r.priority > best.priority:
-                    best = r
-        return end, best, truncated
+        pos, lines, extra = le + 1, 1, 0
+        tb_pre: bytes | None = None  # set while the last unit was a traceback (a chain may follow)
+        last_line_start = ls
+        if rule.block == "traceback":
+            seg = _segment_end(work, pos, limit, pre, idle)
+            if seg is None:
+                return None
+            pos, lines = seg[0], 1 + seg[1]
+            u = self._unit_rule(work, ls, pos, cands)
+            if u is not None and not u.generic:
+                klass, best = u.klass, u
+            tb_pre = pre
+            last_line_start = work.rfind(b"\n", 0, pos - 1) + 1
+        while extra < MAX_TRAILER_LINES and lines < MAX_EVENT_LINES:
+            if pos >= limit:
+                if not idle:
+                    return None  # a trailer may still be written
+                break
+            us = pos
+            joined_before = 0  # lines that join whatever the unit's class (a chain's connector)
+            if tb_pre is not None:
+                ch = _chain_ahead(work, pos, limit, tb_pre)
+                if ch is None:
+                    if not idle:
+                        return None
+                    ch = 0
+                if ch:
+                    us = work.rfind(b"\n", 0, pos + ch[0] - 1) + 1  # the chained "Traceback" line
+                    joined_before = ch[1] - 1
+                    seg = _segment_end(work, pos + ch[0], limit, tb_pre, idle)
+                    if seg is None:
+                        return None
+                    uend, n, kind, upre = seg[0], ch[1] + seg[1], "chain", tb_pre
+            if us == pos:
+                nl = work.find(b"\n", pos, limit)
+                line = work[pos:nl]
+                lm = _PREFIX_RE.match(line)
+                upre = line[: lm.end()] if lm else b""
+                if upre and upre.rstrip() != key:
+                    break  # another rank's line
+                body = line[len(upre) :]
+                if _TRAILER_RE.match(body):
+                    uend, n, kind = nl + 1, 1, "trailer"
+                elif body.rstrip() == _LAST_ERROR:
+                    if nl + 1 >= limit and not idle:
+                        return None
+                    nl2 = work.find(b"\n", nl + 1, limit) if nl + 1 < limit else nl
+                    pos, lines, extra = nl2 + 1, lines + 1 + (nl2 > nl), extra + 2
+                    continue  # joins whatever it says
+                elif body.startswith(_TRACEBACK):
+                    seg = _segment_end(work, nl + 1, limit, upre, idle)
+                    if seg is None:
+                        return None
+                    uend, n, kind = seg[0], 1 + seg[1], "tb"
+                elif _SEPARATOR_RE.match(body) and b"ChildFailedError" in work[last_line_start:pos]:
+                    summ = _summary_end(work, pos, limit, upre, idle)
+                    if summ is None:
+                        return None
+                    uend, n, kind = summ[0], summ[1], "summary"
+                elif tb_pre is not None and pos in cands and body.strip():
+                    uend, n, kind = nl + 1, 1, "cont"  # more of the exception's message, if same class
+                else:
+                    break
+            u = self._unit_rule(work, us, uend, cands)
+            specific = u is not None and not u.generic
+            if specific and klass is not None and u.klass != klass:  # type: ignore[union-attr]
+                pos, lines = us, lines + joined_before  # another class: it starts its own event
+                break
+            if kind == "cont" and (not specific or u.klass != klass):  # type: ignore[union-attr]
+                break
+            if kind == "tb" and not specific and klass is not None:
+                pos, lines = us, lines + joined_before
+                break
+            if specific:
+                if klass is None:
+                    klass, best = u.klass, u  # type: ignore[union-attr]
+                elif u.priority > best.priority or best.generic:  # type: ignore[union-attr]
+                    best = u  # type: ignore[assignment]
+            last_line_start = work.rfind(b"\n", 0, uend - 1) + 1
+            pos, lines, extra = uend, lines + n, extra + n
+            if kind != "cont":
+                tb_pre = upre if kind in ("tb", "chain") else None
+        truncated = lines >= MAX_EVENT_LINES
+        return pos, best, truncated
+
+    def _unit_rule(self, work: Any, s: int, e: int, cands: dict[int, Any]) -> Rule | None:
+        """The rule that classifies the lines ``work[s:e]``: the best specific one, else a generic one."""
+        best: Rule | None = None
+        classify = self._lf.classify_line
+        p = s
+        while p < e:
+            nl = work.find(b"\n", p, e)
+            if nl < 0:
+                nl = e
+            r = classify(_decode(work[p:nl]), cands[p]) if p in cands else None
+            if (
+                r is not None
+                and r.action is Action.KEEP
+                and (best is None or (not r.generic and (best.generic or r.priority > best.priority)))
+            ):
+                best = r
+            p = nl + 1
+        return best
 
     def _add(self, ev: LogEvent, norm: str) -> None:
         st = self.stats
@@ -502,11 +602,10 @@ def _decode(b: bytes) -> str:
     return b.decode("utf-8", "replace")
 
 
-def _traceback_end(work: Any, pos: int, limit: int, pre: bytes, idle: bool) -> tuple[int, int] | None:
-    """After a ``Traceback`` line at ``pos``: the end of the block and its line count (None: wait).
-
-    Frames are the indented lines; the first line that is not indented is the exception and ends
-    the block, unless a chained traceback follows it."""
+def _segment_end(work: Any, pos: int, limit: int, pre: bytes, idle: bool) -> tuple[int, int] | None:
+    """After a ``Traceback`` line, at ``pos``: the end of that one traceback (its frames and its
+    exception line) and its line count, or None (wait for more). Frames are the indented lines; the
+    first line that is not indented is the exception and ends it."""
     n = 0
     np = len(pre)
     while True:
@@ -524,14 +623,7 @@ def _traceback_end(work: Any, pos: int, limit: int, pre: bytes, idle: bool) -> t
             continue
         if not body.strip():
             return pos, n
-        # the exception line; a chained exception ("During handling ...") continues the block
-        pos, n = nl + 1, n + 1
-        nxt = _chain_ahead(work, pos, limit, pre)
-        if nxt is None:
-            return (pos, n) if idle else None
-        if not isinstance(nxt, tuple):
-            return pos, n
-        pos, n = pos + nxt[0], n + nxt[1]
+        return nl + 1, n + 1  # the exception line
 
 
 def _chain_ahead(work: Any, pos: int, limit: int, pre: bytes) -> tuple[int, int] | int | None:
@@ -556,51 +648,25 @@ def _chain_ahead(work: Any, pos: int, limit: int, pre: bytes) -> tuple[int, int]
     return 0
 
 
-def _trailers_end(
-    work: Any, ls: int, pos: int, limit: int, pre: bytes, idle: bool, lines: int
-) -> tuple[int, int] | None:
-    """Extend an event over the lines that explain it: C++/CUDA trailers, a traceback that follows a
-    header line, a torchrun ChildFailedError summary. Returns (end, lines) or None (wait)."""
+def _summary_end(work: Any, pos: int, limit: int, pre: bytes, idle: bool) -> tuple[int, int] | None:
+    """A torchrun ``ChildFailedError`` summary from its first ``=====`` line at ``pos`` to its
+    closing one: (end, lines), or None (wait for more)."""
     np = len(pre)
-    extra = 0
-    last_line_start = ls
-    while extra < MAX_TRAILER_LINES and lines < MAX_EVENT_LINES:
-        if pos >= limit:
-            return (pos, lines) if idle else None
-        nl = work.find(b"\n", pos, limit)
-        line = work[pos:nl]
-        body = line[np:] if pre and line.startswith(pre) else line
-        if _TRAILER_RE.match(body):
-            last_line_start = pos
-            pos, lines, extra = nl + 1, lines + 1, extra + 1
-            continue
-        if body.startswith(_TRACEBACK):
-            tpre = line[: len(line) - len(body)]
-            r = _traceback_end(work, nl + 1, limit, tpre, idle)
-            if r is None:
+    p, k, seps = pos, 0, 0
+    while k < 60:
+        if p >= limit:
+            if not idle:
                 return None
-            last_line_start = work.rfind(b"\n", 0, r[0] - 1) + 1
-            pos, lines, extra = r[0], lines + 1 + r[1], extra + 1 + r[1]
-            continue
-        if _SEPARATOR_RE.match(body) and b"ChildFailedError" in work[last_line_start:pos]:
-            p, k, seps = pos, 0, 0
-            while k < 60:
-                if p >= limit:
-                    if not idle:
-                        return None
-                    break
-                nl2 = work.find(b"\n", p, limit)
-                b2 = work[p:nl2]
-                b2 = b2[np:] if pre and b2.startswith(pre) else b2
-                p, k = nl2 + 1, k + 1
-                if _SEPARATOR_RE.match(b2):
-                    seps += 1
-                    if seps == 2:
-                        break
-            pos, lines, extra = p, lines + k, extra + k
-            continue
-        break
-    return pos, lines
+            break
+        nl = work.find(b"\n", p, limit)
+        b2 = work[p:nl]
+        b2 = b2[np:] if pre and b2.startswith(pre) else b2
+        p, k = nl + 1, k + 1
+        if _SEPARATOR_RE.match(b2):
+            seps += 1
+            if seps == 2:
+                break
+    return p, k
 
 
 def _collapse_key(message: str) -> str:
