@@ -157,3 +157,30 @@ def test_hang_seen_live_is_reported_after_the_job_by_analyze_job(tmp_path):
     )
     text = CliRunner().invoke(cli, ["analyze", "--store", store.url, "--job", job_id], catch_exceptions=False).stdout
     assert "Earlier findings of this job" in text and f["title"] in text and "resolved 20" in text
+
+
+def test_job_history_opened_and_closed_on_both_backends(store):
+    """The history query (newest version per id, first and last save) on the embedded store and on
+    a ClickHouse server (18.16 in CI)."""
+    import dataclasses
+
+    from ranklens.analyzers.findings import Finding, Severity, Suspect, save_findings
+    from ranklens.live_service import job_history
+
+    t0 = time.time_ns()
+    hang = Finding(
+        "h1", "j", 0, "hang", Severity.CRITICAL, 0.9, "rank 2 hung", (Suspect(2),), 3, 3, t0, t0, updated_ns=t0
+    )
+    slow = Finding("s1", "j", 0, "straggler", Severity.WARNING, 0.8, "rank 1 slow", (Suspect(1),), 1, 9, updated_ns=t0)
+    save_findings(store, [hang, slow])
+    save_findings(store, [dataclasses.replace(hang, state="resolved", updated_ns=t0 + 5_000_000_000)])
+    save_findings(store, [dataclasses.replace(hang, job_id="other", id="h2")])  # another job: not shown
+    now = dataclasses.replace(slow, title="rank 1 slower", first_seen_ns=t0 + 1)
+    h = job_history(store, "j", 0, [now])
+    out = {f["id"]: f for f in h.to_json()}
+    assert list(out) == ["s1", "h1"]  # this pass first, then what only earlier passes saw
+    assert (out["h1"]["state"], out["h1"]["seen_now"]) == ("resolved", False)
+    assert (out["h1"]["opened_ns"], out["h1"]["closed_ns"]) == (t0, t0 + 5_000_000_000)
+    # seen again now, but opened when an earlier pass first saved it
+    assert (out["s1"]["seen_now"], out["s1"]["title"], out["s1"]["opened_ns"]) == (True, "rank 1 slower", t0)
+    assert out["s1"]["closed_ns"] is None
