@@ -359,7 +359,8 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
     root = Path(__file__).resolve().parents[1]
     err_log = tmp_path / "collector.log"
     p = logs / "rank-0.log"
-    _append(p, OOM + " before")
+    _append(p, OOM + " ready")
+    n = int(os.environ.get("RANKLENS_TEST_LONG_LINE_MB", "200")) << 20  # the probe's 2 GiB: 2048
     with open(err_log, "w") as err:
         proc = subprocess.Popen(
             [
@@ -387,11 +388,15 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
         return time.monotonic() - t0
 
     try:
-        wait_for(lambda: OOM + " before" in messages(), "the first line to be stored")
+        wait_for(lambda: OOM + " ready" in messages(), "the collector to store a first line")
         base_kb = _vm_kb(proc.pid, "VmHWM")
-        n = 200 << 20
         t0 = time.monotonic()
-        _write_long_line(p, n, head=(ERR + " huge ").encode())
+        # an error line and, right after it, a long line without a newline (still unfinished)
+        _append(p, ERR + " before")
+        _write_long_line(p, n, head=(OOM + " huge ").encode())
+        wrote_s = time.monotonic() - t0
+        wait_for(lambda: ERR + " before" in messages(), "the error line before the long line to be stored")
+        before_s = time.monotonic() - t0
         _append(p, "", ERR + " after")  # the newline that ends it, then a line
         wait_for(lambda: ERR + " after" in messages(), "the line after the long one to be stored")
         took = time.monotonic() - t0
@@ -402,12 +407,16 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
         rc = proc.wait(60)
     assert rc == 0, err_log.read_text()[-3000:]
     print(
-        f"{backend}: collector peak RSS {base_kb // 1024} MB before the 200 MB line, {peak_kb // 1024} MB after; "
-        f"line written and the next line stored in {took:.1f} s"
+        f"{backend}: collector peak RSS {base_kb // 1024} MB before the {n >> 20} MB line, {peak_kb // 1024} MB "
+        f"after; {wrote_s:.1f} s to write it; the error line before it stored {before_s:.1f} s after it was "
+        f"written (the long line unfinished), the line after it {took:.1f} s"
     )
     assert peak_kb < COLLECTOR_PEAK_RSS_MB * 1024, f"collector peak RSS {peak_kb // 1024} MB"
-    assert msgs[0] == OOM + " before" and msgs[-1] == ERR + " after" and len(msgs) == 3
-    assert msgs[1].startswith(ERR + " huge xxx") and msgs[1].endswith(logfilter.CUT_MARK)
+    # nothing waits on the unfinished line (before the fix: 51 s here for 200 MB, never for 2 GiB)
+    assert before_s - wrote_s < 20, f"the error line before the long line took {before_s - wrote_s:.1f} s"
+    cut = [m for m in msgs if m.startswith(OOM + " huge")]  # (events of one poll share a time: no order)
+    assert sorted(msgs) == sorted([OOM + " ready", ERR + " before", *cut, ERR + " after"]), [m[:80] for m in msgs]
+    assert len(cut) == 1 and cut[0].startswith(OOM + " huge xxx") and cut[0].endswith(logfilter.CUT_MARK)
     s = open_store(url, create=False)
     try:
         drops = dict(
