@@ -16,7 +16,6 @@ never reuses the name of a segment that is still waiting to be shipped.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 from ranklens.records import check_value
 from ranklens.schema import table
-from ranklens.tracing.spool import header_line
+from ranklens.tracing.spool import clean_rows, encode_segment
 
 __all__ = ["COLLECTOR_DIR", "Outbox"]
 
@@ -86,6 +85,7 @@ class Outbox:
         if not rows:
             return None
         t = table(table_name)
+        rows = clean_rows(rows)  # a file name or message with undecodable bytes: U+FFFD (issue 22 #1)
         for i, row in enumerate(rows):
             for key, value in row.items():
                 if not t.has_column(key):
@@ -94,10 +94,10 @@ class Outbox:
         if not self._made:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._made = True
-        body = header_line(table_name) + "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows)
+        body, _ = encode_segment(table_name, rows)
         staged = self.dir / f"{STAGED}{self._next_name(table_name)}"
         tmp = staged.with_name(staged.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "wb") as f:
             f.write(body)
             if self.fsync:
                 f.flush()

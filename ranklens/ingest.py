@@ -95,6 +95,11 @@ def _read_jsonl_fast(path: Path, table: str | None, content: bytes | None = None
     columns = []
     for c, field in zip(TABLES[name].columns, target):
         col = got.column(c.name)
+        if "String" in c.type:  # Arrow's JSON reader does not check UTF-8 (issue 22 #5): the strict reader says where
+            try:
+                col.validate(full=True)
+            except pa.ArrowInvalid:
+                return None
         if col.null_count:
             if c.required:
                 return None

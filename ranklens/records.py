@@ -17,7 +17,16 @@ from ranklens.schema import TABLES, Column, Table, table
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["RECORD_TYPES", "arrow_schema", "check_value", "empty_arrow", "record_type", "to_arrow"]
+__all__ = [
+    "RECORD_TYPES",
+    "arrow_schema",
+    "check_value",
+    "decode_replacing",
+    "empty_arrow",
+    "record_type",
+    "repair_utf8",
+    "to_arrow",
+]
 
 
 def _class_name(table_name: str) -> str:
@@ -74,6 +83,13 @@ def _check_scalar(type_: str, value: Any) -> Any:
     if type_ == "String":
         if not isinstance(value, str):
             raise TypeError(f"expected a string, got {type(value).__name__} {value!r:.60}")
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate: no store can hold it (issue 22 #1)
+                raise ValueError(
+                    f"not valid Unicode: {value[e.start : e.end]!r} at character {e.start} of {value!r:.60}"
+                ) from None
         return value
     if type_ == "Float64":
         if value is None:
@@ -194,3 +210,54 @@ def to_arrow(table_name: str, rows: Iterable[Mapping[str, Any] | Any], *, valida
             cols[c.name].append(v)
     schema = arrow_schema(t.name)
     return pa.table({c.name: pa.array(cols[c.name], type=arrow_type(c)) for c in t.columns}, schema=schema)
+
+
+# --- strings that are not UTF-8 ----------------------------------------------------------------
+# Ingest refuses them (the shipper quarantines such a segment), but a store may hold some already
+# (written by an older ranklens, or by another client): readers decode them with U+FFFD rather than
+# fail (issue 22 #5).
+
+
+def decode_replacing(value: Any) -> Any:
+    """``value`` with every ``bytes`` in it (lists included) decoded as UTF-8 with U+FFFD."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, (list, tuple)):
+        return [decode_replacing(v) for v in value]
+    return value
+
+
+def _as_binary(t: pa.DataType) -> pa.DataType | None:
+    """The type with its strings as binary (None: it holds no strings)."""
+    import pyarrow as pa
+
+    if pa.types.is_string(t):
+        return pa.binary()
+    if pa.types.is_large_string(t):
+        return pa.large_binary()
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        inner = _as_binary(t.value_type)
+        if inner is None:
+            return None
+        return pa.list_(inner) if pa.types.is_list(t) else pa.large_list(inner)
+    return None
+
+
+def repair_utf8(data: pa.Table) -> pa.Table:
+    """``data`` with every string that is not valid UTF-8 decoded with U+FFFD (columns that are
+    valid, the usual case, are checked in Arrow and passed through untouched)."""
+    import pyarrow as pa
+
+    columns = []
+    changed = False
+    for field, col in zip(data.schema, data.columns):
+        binary = _as_binary(field.type)
+        if binary is not None:
+            try:
+                col.validate(full=True)
+            except pa.ArrowInvalid:
+                values = decode_replacing(col.cast(binary).to_pylist())
+                col = pa.chunked_array([pa.array(values, type=field.type)], type=field.type)
+                changed = True
+        columns.append(col)
+    return pa.Table.from_arrays(columns, schema=data.schema) if changed else data

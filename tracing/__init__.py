@@ -52,7 +52,9 @@ def _agree_on_job_id(dist: Any) -> str:
     for var in (ENV_JOB_ID, "TORCHELASTIC_RUN_ID"):
         v = os.environ.get(var)
         if v and v != "none":
-            return v
+            from ranklens.tracing.spool import clean_text
+
+            return clean_text(v)  # non-UTF-8 bytes in the variable: U+FFFD, never a lone surrogate
     if dist is not None and dist.is_initialized():
         try:
             store = dist.distributed_c10d._get_default_store()

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SPOOL_FORMAT", "SPOOL_VERSION", "SpoolWriter", "header_line"]
+__all__ = ["SPOOL_FORMAT", "SPOOL_VERSION", "SpoolWriter", "clean_rows", "clean_text", "encode_segment", "header_line"]
 
 SPOOL_FORMAT = "records"
 SPOOL_VERSION = 1
@@ -26,6 +27,62 @@ SPOOL_VERSION = 1
 
 def header_line(table: str) -> str:
     return json.dumps({"ranklens": SPOOL_FORMAT, "version": SPOOL_VERSION, "table": table}) + "\n"
+
+
+def clean_text(s: str) -> str:
+    """``s`` as valid Unicode. Python smuggles undecodable bytes into ``str`` as lone surrogates
+    (``os.environ``, file names: ``b"job\\xff"`` -> ``"job\\udcff"``); JSON would carry them as
+    ``\\udcff`` escapes that no strict reader (Arrow, ClickHouse) accepts (issue 22 #1). Bytes that
+    form UTF-8 are kept, anything else becomes U+FFFD."""
+    if s.isascii():
+        return s
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        pass
+    try:
+        return s.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # surrogates that are not escaped bytes
+        return s.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+def _clean_value(v: Any) -> Any:
+    if isinstance(v, str):
+        return clean_text(v)
+    if isinstance(v, (list, tuple)):
+        return [_clean_value(x) for x in v]
+    if isinstance(v, dict):
+        return {clean_text(str(k)): _clean_value(x) for k, x in v.items()}
+    return v
+
+
+def clean_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with every string made valid Unicode (:func:`clean_text`)."""
+    return [_clean_value(dict(r)) for r in rows]
+
+
+def encode_segment(table: str, rows: Sequence[Mapping[str, Any]]) -> tuple[bytes, int]:
+    """The one place rows become segment bytes: the header line, then one JSON object per row,
+    as UTF-8. Returns (bytes, rows whose strings had to be cleaned). A row never carries a lone
+    surrogate into the spool (it would poison the collector): such strings are cleaned."""
+    dumps = json.dumps
+
+    def render(rs: Sequence[Mapping[str, Any]]) -> str:
+        return header_line(table) + "".join(dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in rs)
+
+    text = render(rows)
+    try:
+        return text.encode("utf-8"), 0
+    except UnicodeEncodeError:
+        pass
+    dirty = 0
+    for r in rows:
+        try:
+            dumps(r, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            dirty += 1
+    return render(clean_rows(rows)).encode("utf-8"), dirty
 
 
 def _safe(part: str) -> str:
@@ -39,6 +96,7 @@ class SpoolWriter:
         self.dir = Path(root) / _safe(job_id) / str(attempt) / f"rank-{rank}"
         self._n = 0
         self._made = False
+        self.cleaned_rows = 0  # rows whose strings were not valid Unicode (cleaned, not dropped)
 
     def write(self, table: str, rows: list[dict[str, Any]]) -> Path | None:
         """Write one segment; returns its path (None when ``rows`` is empty). Raises OSError."""
@@ -50,16 +108,16 @@ class SpoolWriter:
         self._n += 1
         name = f"{table}.{os.getpid()}.{self._n:08d}.jsonl"
         tmp = self.dir / f".{name}.tmp"
-        dumps = json.dumps
-        text = header_line(table) + "\n".join(dumps(r, separators=(",", ":")) for r in rows) + "\n"
+        data, cleaned = encode_segment(table, rows)
+        self.cleaned_rows += cleaned
         try:
-            f = open(tmp, "w")
+            f = open(tmp, "wb")
         except FileNotFoundError:  # the spool directory was removed under us: make it again
             self.dir.mkdir(parents=True, exist_ok=True)
-            f = open(tmp, "w")
+            f = open(tmp, "wb")
         try:
             with f:
-                f.write(text)
+                f.write(data)
             os.replace(tmp, self.dir / name)
         except BaseException:
             try:

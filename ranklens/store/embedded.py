@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ranklens.errors import SchemaVersionError, StoreError, StoreUnavailable
-from ranklens.records import arrow_schema, empty_arrow, to_arrow
+from ranklens.records import arrow_schema, empty_arrow, repair_utf8, to_arrow
 from ranklens.schema import SCHEMA_VERSION, TABLES, table
 from ranklens.store.api import QueryResult
 from ranklens.store.api import sql_string as _sql_quote
@@ -324,7 +324,7 @@ class EmbeddedStore:
                 result = session.query(sql, "ArrowTable")
             except Exception as e:  # chdb raises RuntimeError subclasses
                 raise StoreError(f"query failed on the embedded store: {e}") from e
-        return QueryResult(result)
+        return QueryResult(repair_utf8(result))  # stored bytes that are not UTF-8: U+FFFD, not a crash
 
     def close(self) -> None:
         pass

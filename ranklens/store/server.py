@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ranklens.errors import ConfigError, SchemaVersionError, StoreAuthError, StoreError, StoreUnavailable
-from ranklens.records import arrow_schema, to_arrow
+from ranklens.records import arrow_schema, decode_replacing, to_arrow
 from ranklens.schema import META_TABLE, SCHEMA_VERSION, render_server_ddl, table
 from ranklens.store.api import QueryResult
 
@@ -388,7 +388,11 @@ class ServerStore:
         arrays = {}
         for i, (name, ch_type) in enumerate(types):
             values = list(rows[i]) if rows else []
-            arrays[name] = pa.array(values, type=_arrow_type(ch_type))
+            try:
+                arrays[name] = pa.array(values, type=_arrow_type(ch_type))
+            except (pa.ArrowInvalid, pa.ArrowTypeError):
+                # the driver hands strings that are not UTF-8 over as bytes: U+FFFD, not a crash
+                arrays[name] = pa.array(decode_replacing(values), type=_arrow_type(ch_type))
         return QueryResult(pa.table(arrays) if arrays else pa.table({}))
 
     def drop_database(self) -> None:
