@@ -27,6 +27,7 @@ variables over the file)::
     commit_interval_s = 2.0                 # how often log events / GPU samples are written
     spool_max_bytes = "20GiB"               # disk budget while the store is down (0: none)
     spool_min_free_bytes = "1GiB"           # keep this much free on the spool's filesystem
+    spool_check_interval_s = 1.0            # how often the budget is checked (even while passes back off)
     metrics_port = 9400                     # omit: no endpoint; 0: any free port
     metrics_addr = "0.0.0.0"
     nvml = true                             # true, false, or omit for "when available"
@@ -60,7 +61,7 @@ from ranklens.collector.metrics import CollectorMetrics, MetricsServer
 from ranklens.collector.nvml import GpuSampler
 from ranklens.collector.outbox import COLLECTOR_DIR, Outbox
 from ranklens.collector.rules import RuleSet, load_rules, read_config_file, rules_from_config
-from ranklens.collector.shipper import COMPACT_EVERY, Shipper, SpoolBudget, parse_bytes
+from ranklens.collector.shipper import COMPACT_EVERY, Shipper, SpoolBudget, hold_collector_lock, parse_bytes
 from ranklens.collector.tailer import LogSource, Tailer
 from ranklens.config import DEFAULT_SPOOL_DIR, node_name
 from ranklens.errors import ConfigError
@@ -92,7 +93,10 @@ class AgentConfig:
         shutdown_timeout_s: default bound of :meth:`Agent.stop`.
         spool_max_bytes: the spool's disk budget (bytes or ``"20GiB"``; 0: none). Over it, the
             oldest segments of the least valuable tables are removed and counted in ``drops``.
-        spool_min_free_bytes: free space to keep on the spool's filesystem (same policy).
+        spool_min_free_bytes: free space to keep on the spool's filesystem (same policy). Both
+            limits apply only while the store cannot take the rows: a healthy store ships first.
+        spool_check_interval_s: how often the spool is measured against its budget; while the
+            store is down this runs on its own, however long the shipping passes back off.
         liveness_interval_s: how often the pids of this node's ranks are checked; a rank whose
             process is gone without a clean shutdown gets a last heartbeat with ``exited = 2``
             (:mod:`ranklens.collector.liveness`); 0: off.
@@ -114,12 +118,19 @@ class AgentConfig:
     shutdown_timeout_s: float = 10.0
     spool_max_bytes: int | str = 20 * 1024**3
     spool_min_free_bytes: int | str = 1024**3
+    spool_check_interval_s: float = 1.0
     liveness_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("spool_max_bytes", "spool_min_free_bytes"):
             object.__setattr__(self, name, parse_bytes(getattr(self, name), f"collector {name}"))
-        for name in ("nvml_interval_s", "ship_interval_s", "log_poll_interval_s", "commit_interval_s"):
+        for name in (
+            "nvml_interval_s",
+            "ship_interval_s",
+            "log_poll_interval_s",
+            "commit_interval_s",
+            "spool_check_interval_s",
+        ):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.01 <= v <= 3600:
                 raise ConfigError(f"collector {name}={v!r}: allowed 0.01..3600 seconds")
@@ -143,10 +154,15 @@ class AgentConfig:
 
     @property
     def budget(self) -> SpoolBudget:
-        return SpoolBudget(max_bytes=int(self.spool_max_bytes), min_free_bytes=int(self.spool_min_free_bytes))
+        return SpoolBudget(
+            max_bytes=int(self.spool_max_bytes),
+            min_free_bytes=int(self.spool_min_free_bytes),
+            check_interval_s=float(self.spool_check_interval_s),
+        )
 
     def state_path(self) -> Path:
-        """Where the collector keeps its state (tailer offsets, the delivery journal)."""
+        """Where the collector keeps its state (tailer offsets). The delivery journal is the spool's
+        (``<spool>/_collector/state/shipping.json``): one for every shipper of the spool."""
         from ranklens.collector.outbox import _safe
 
         if self.state_dir:
@@ -155,14 +171,12 @@ class AgentConfig:
 
     def shipper(self, store: Store, **kw: Any) -> Shipper:
         """The shipper this configuration describes."""
-        return Shipper(
-            self.spool_dir,
-            store,
-            host=self.hostname,
-            journal=self.state_path() / "shipping.json",
-            budget=self.budget,
-            **kw,
-        )
+        sh = Shipper(self.spool_dir, store, host=self.hostname, budget=self.budget, **kw)
+        legacy = self.state_path() / "shipping.json"  # where releases before issue 22 kept it
+        if legacy not in sh._legacy_journals and legacy != sh.journal_path:
+            sh._legacy_journals.append(legacy)
+            sh.in_doubt = sh._load_journal()
+        return sh
 
 
 _COLLECTOR_KEYS = {f.name for f in dataclasses.fields(AgentConfig)} - {"logs", "rules"}
@@ -333,6 +347,7 @@ class Agent:
         self._loops: list[_Loop] = []
         self._started = False
         self._ship_passes = 0
+        self._collector_lock: Any = None
         self.errors: dict[str, int] = {}
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -347,6 +362,10 @@ class Agent:
         if self._started:
             return
         self._started = True
+        # the spool's collector: `ranklens run` will not start a shipper of its own next to us
+        self._collector_lock = hold_collector_lock(self.spool_dir)
+        if not self._collector_lock.__enter__():
+            log.info("ranklens collector: another process (ranklens run?) ships %s too; taking turns", self.spool_dir)
         if self.config.metrics_port is not None:
             self.server = MetricsServer(
                 self.metrics.registry, port=self.config.metrics_port, addr=self.config.metrics_addr
@@ -391,6 +410,9 @@ class Agent:
                 clean &= not lp.thread.is_alive()
         if self.server is not None:
             self.server.close()
+        if self._collector_lock is not None:
+            self._collector_lock.__exit__(None, None, None)
+            self._collector_lock = None
         if not clean:
             log.warning("ranklens collector: stopped with loops still running (timeout); their data stays in the spool")
         self._loops = []
@@ -457,6 +479,7 @@ class Agent:
         self.metrics.ship_lag.set(max(0.0, time.time() - oldest) if oldest is not None else 0.0)
 
     def _ship_loop(self, stop: threading.Event) -> None:
+        tick = min(self.config.ship_interval_s, self.config.spool_check_interval_s)
         while True:
             stopping = stop.is_set()
             try:
@@ -471,7 +494,25 @@ class Agent:
                     log.exception("ranklens collector: liveness check failed")
             if stopping:
                 return
-            stop.wait(self._ship_delay())
+            # while the store fails, passes back off (up to a minute); the disk budget is checked
+            # every tick meanwhile, so it holds as data arrives (issue 22 #6)
+            next_pass = time.monotonic() + self._ship_delay()
+            while not stop.wait(max(0.0, min(tick, next_pass - time.monotonic()))):
+                if time.monotonic() >= next_pass:
+                    break
+                if self.shipper.failures:
+                    self._check_budget()
+
+    def _check_budget(self) -> None:
+        try:
+            r = self.shipper.check_budget()
+        except Exception:
+            log.exception("ranklens collector: checking the spool's budget failed")
+            return
+        if not r.busy:
+            for t, n in r.evicted.items():
+                self.metrics.spool_evicted_rows.labels(t).inc(n)
+            self._spool_gauges()
 
     def _ship_delay(self) -> float:
         """The ship interval; while the store keeps failing, doubling up to a minute (with jitter,

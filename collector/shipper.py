@@ -1,12 +1,17 @@
 """Ships rank spools (tracing/spool.py) into the store: every row exactly once.
 
 **Nothing lost.** A segment is deleted only after the store acknowledged its rows. A store that is
-down leaves the segments in place for the next pass. A segment that cannot be parsed is moved to
-``<spool>/quarantine/`` with a ``.reason`` file beside it and counted in ``drops``: never deleted.
+down leaves the segments in place for the next pass. A segment that cannot be read (not JSON, not
+UTF-8, a lone surrogate, a value out of range: any failure of that one segment) is moved to
+``<spool>/quarantine/`` with a ``.reason`` file beside it and counted in ``drops``: never deleted,
+and never in the way of the other segments (issue 22 #1). A segment that fails on its own while the
+store takes its neighbours (a Python error converting it, a server refusing its block) goes the
+same way.
 
 **Nothing twice.** Every row is stamped with its segment's ``ingest_id`` (a hash of the segment's
 path and content). Before a pass sends anything, the segments it is about to send are written to
-a small journal (``shipping.json``, fsynced). A segment in the journal is *in doubt*: the collector
+a small journal (``<spool>/_collector/state/shipping.json``, fsynced). A segment in the journal is
+*in doubt*: the collector
 may have died (kill -9, OOM, power) or the store may have failed after the rows reached it but
 before the segment was deleted. The next pass that sees a segment in doubt asks the store how many
 rows carry its id: all of them → the segment is deleted without sending; none → sent; some (a
@@ -15,10 +20,21 @@ sent in blocks of at most :data:`MAX_BLOCK_ROWS` rows that never split a segment
 server applies each segment's rows atomically. The lookup costs one query per table, and only
 after a failure or a restart: a healthy pass sends without asking.
 
-**Bounded disk.** When the spool outgrows its budget (:class:`SpoolBudget`; the store has been
-down for long), the oldest segments of the least valuable tables go first (profiler traces, GPU
-samples, heartbeats; then steps, phases and collectives; log events, GPU events and the job's
-metadata last), and every row lost that way is counted in ``drops``.
+**One journal per spool.** Every shipper of a spool (the node agent, a one-off ``ranklens collect``,
+the shipper of ``ranklens run``) works under one ``flock`` (``<spool>/.ranklens-ship.lock``) and
+re-reads the one journal under it at every pass, so a segment another process sent and did not get
+to delete (it was killed after the store's acknowledgement) is asked about, never sent twice
+(issue 22 #3). The node agent also holds ``<spool>/.collector.lock`` (:func:`hold_collector_lock`)
+so ``ranklens run`` does not start a second shipper next to it.
+
+**Bounded disk.** While the store cannot take the rows (a pass failed) and the spool outgrows its
+budget (:class:`SpoolBudget`: a size limit and a free-space floor), the oldest segments of the
+least valuable tables go first (profiler traces, GPU samples, heartbeats; then steps, phases and
+collectives; log events, GPU events and the job's metadata last), and every row lost that way is
+counted in ``drops``. A store that takes the rows is always given them first: nothing is evicted
+while it is healthy (issue 22 #2). The budget is checked as data arrives
+(:meth:`Shipper.check_budget`, every tick of the agent's loop, however long the shipping passes
+back off), not only at passes (issue 22 #6).
 """
 
 from __future__ import annotations
@@ -38,20 +54,31 @@ from pathlib import Path
 from typing import Any
 
 from ranklens.config import node_name
-from ranklens.errors import ConfigError, IngestError, StoreError
+from ranklens.errors import ConfigError, IngestError, StoreError, StoreUnavailable
 from ranklens.ingest import read_jsonl
 from ranklens.schema import INGEST_ID, TABLES
 from ranklens.store.api import Store
 
-__all__ = ["MAX_BLOCK_ROWS", "ShipResult", "Shipper", "SpoolBudget", "parse_bytes"]
+__all__ = [
+    "COLLECTOR_LOCK",
+    "MAX_BLOCK_ROWS",
+    "ShipResult",
+    "Shipper",
+    "SpoolBudget",
+    "hold_collector_lock",
+    "parse_bytes",
+]
 
 log = logging.getLogger("ranklens.collector")
 
 QUARANTINE = "quarantine"
 LOCK_FILE = ".ranklens-ship.lock"
+COLLECTOR_LOCK = ".collector.lock"  # held by the node agent; ranklens run ships only when it can take it
+JOURNAL = "_collector/state/shipping.json"  # one per spool, beside the collector's state
 COMPACT_EVERY = 20
 MAX_BLOCK_ROWS = 1_000_000  # at most this many rows of one table per insert (one atomic block on a server)
 JOURNAL_VERSION = 1
+PROBE_SEGMENTS = 16  # while the store fails, a pass tries this many segments before reading them all
 FAULT_ENV = "RANKLENS_COLLECTOR_FAULT"
 TRACE_TABLE = "trace_events"
 
@@ -109,15 +136,19 @@ class SpoolBudget:
         max_bytes: the spool's size limit (pending segments and profiler traces); 0: no limit.
         min_free_bytes: keep at least this much free on the spool's filesystem; 0: no floor.
         check_interval_s: how often the spool is measured (a full directory walk).
+
+    Both limits apply only while the store cannot take the rows: a healthy store ships first.
     """
 
     max_bytes: int = 20 * 1024**3
     min_free_bytes: int = 1024**3
-    check_interval_s: float = 5.0
+    check_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0 or self.min_free_bytes < 0:
             raise ConfigError("spool budget sizes must not be negative")
+        if not 0 <= self.check_interval_s <= 3600:
+            raise ConfigError(f"spool check_interval_s={self.check_interval_s!r}: allowed 0..3600 seconds")
 
 
 @dataclass(eq=False)
@@ -153,8 +184,10 @@ class Shipper:
         store: where rows go.
         max_segments: at most this many segments per pass (bounded memory).
         host: this node's name (journal and drop records; default: the host name).
-        journal: the delivery journal's path (default ``<spool>/_collector/state/<host>/shipping.json``).
+        journal: the delivery journal's path (default ``<spool>/_collector/state/shipping.json``;
+            every shipper of one spool must use the same one).
         budget: disk budget of the spool (default :class:`SpoolBudget`; None: unbounded).
+        free_bytes: the free-space probe of the spool's filesystem (default: ``shutil.disk_usage``).
         outbox: where drop records are written (default: the collector's outbox for ``host``).
         on_segment: called with (table, Arrow rows) once per segment read (metrics, liveness).
         tracer: an OpenTelemetry tracer: a span per pass, a child span per store call (off: None).
@@ -172,6 +205,7 @@ class Shipper:
         outbox: Any = None,
         on_segment: Callable[[str, Any], None] | None = None,
         tracer: Any = None,
+        free_bytes: Callable[[Path], int] | None = None,
     ) -> None:
         from ranklens.collector.outbox import COLLECTOR_DIR, _safe
 
@@ -179,17 +213,18 @@ class Shipper:
         self.store = store
         self.max_segments = max_segments
         self.host = host or node_name()
-        self.journal_path = (
-            Path(journal) if journal else self.spool_dir / COLLECTOR_DIR / "state" / _safe(self.host) / "shipping.json"
-        )
+        self.journal_path = Path(journal) if journal else self.spool_dir / JOURNAL
+        # journals of older releases (one per host): folded into the spool's journal
+        self._legacy_journals = [self.spool_dir / COLLECTOR_DIR / "state" / _safe(self.host) / "shipping.json"]
         self.budget = budget
+        self._free_bytes = free_bytes or _free_bytes
         self._outbox = outbox
         self.on_segment = on_segment
         self.tracer = tracer  # OpenTelemetry tracer of the shipping loop (None: not traced)
         self.totals: dict[str, int] = {}
         self._observed: set[str] = set()  # segments already shown to on_segment
+        self._journaled: set[str] = set()
         self.in_doubt: set[str] = self._load_journal()
-        self._journaled: set[str] = set(self.in_doubt)
         self._last_budget_check = -1e18
         self.spool_bytes = 0  # measured by the last budget check (and zeroed when a pass drains the spool)
         self.spool_segments = 0
@@ -220,42 +255,79 @@ class Shipper:
     def _rel(self, path: Path) -> str:
         return path.relative_to(self.spool_dir).as_posix()
 
-    def _quarantine(self, path: Path, reason: str) -> None:
+    def _quarantine(self, path: Path, reason: str) -> bool:
+        """Move a segment that cannot be shipped aside, with its reason. False if it could not be moved."""
         qdir = self.spool_dir / QUARANTINE
-        qdir.mkdir(parents=True, exist_ok=True)
         rel = path.relative_to(self.spool_dir)
         target = qdir / "__".join(rel.parts)
-        os.replace(path, target)
-        target.with_suffix(".reason").write_text(reason + "\n")
+        reason = reason.encode("utf-8", "backslashreplace").decode("utf-8")
+        try:
+            qdir.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+        except FileNotFoundError:
+            self._forget(self._rel(path))
+            return False
+        except OSError as e:
+            log.error("ranklens collector: cannot quarantine %s (%s): %s", path, e, reason)
+            return False
+        try:
+            target.with_suffix(".reason").write_text(reason + "\n", encoding="utf-8")
+        except OSError as e:
+            log.error("ranklens collector: cannot write the reason beside %s: %s", target, e)
         self._forget(self._rel(path))
         log.error("ranklens collector: quarantined %s: %s", path, reason)
+        # counted at once, not at the end of the pass: a collector killed meanwhile still counts it
+        self._record_drops([self._drop_row("spool_segment_quarantined", 1)])
+        return True
 
     # --- the journal ----------------------------------------------------------------------
 
-    def _load_journal(self) -> set[str]:
-        try:
-            raw = json.loads(self.journal_path.read_text())
-        except FileNotFoundError:
-            return set()
-        except (OSError, ValueError) as e:
-            # Unreadable: we cannot tell what is in doubt, so everything pending is.
-            log.error(
-                "ranklens collector: delivery journal %s unreadable (%s); checking every segment", self.journal_path, e
-            )
-            return {self._rel(p) for p in self._walk()}
-        if not isinstance(raw, dict) or raw.get("version") != JOURNAL_VERSION:
-            log.error(
-                "ranklens collector: delivery journal %s has an unknown format; checking every segment",
-                self.journal_path,
-            )
-            return {self._rel(p) for p in self._walk()}
+    def _load_journal(self, *, quiet: bool = False) -> set[str]:
+        """What the spool's journal says is in doubt (and what journals of older releases say)."""
+        doubt: set[str] = set()
+        for path in (self.journal_path, *self._legacy_journals):
+            doubt |= self._read_journal(path)
         # the journal lists each pass's segments; those since shipped and deleted are not in doubt
-        doubt = {str(s) for s in raw.get("in_doubt", []) if (self.spool_dir / str(s)).exists()}
-        if doubt:
+        doubt = {s for s in doubt if (self.spool_dir / s).exists()}
+        self._journaled = set() if self._legacy_present() else set(doubt)
+        if doubt and not quiet:
             log.info(
                 "ranklens collector: %d segment(s) in doubt from the last run; the store is asked first", len(doubt)
             )
         return doubt
+
+    def _legacy_present(self) -> bool:
+        return any(p.exists() for p in self._legacy_journals if p != self.journal_path)
+
+    def _read_journal(self, path: Path) -> set[str]:
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            return set()
+        except (OSError, ValueError) as e:
+            # Unreadable: we cannot tell what is in doubt, so everything pending is.
+            log.error("ranklens collector: delivery journal %s unreadable (%s); checking every segment", path, e)
+            return {self._rel(p) for p in self._walk()}
+        if not isinstance(raw, dict) or raw.get("version") != JOURNAL_VERSION:
+            log.error("ranklens collector: delivery journal %s has an unknown format; checking every segment", path)
+            return {self._rel(p) for p in self._walk()}
+        return {str(s) for s in raw.get("in_doubt", [])}
+
+    def _reload_journal(self) -> None:
+        """Under the spool's lock, at every pass: the journal on disk is the truth. Another shipper
+        (a one-off ``ranklens collect``, ``ranklens run``) may have sent segments since our last
+        pass and died before deleting them; they are in doubt for us too."""
+        ours = self.in_doubt
+        on_disk = self._load_journal(quiet=True)
+        # what we hold in doubt stays so until we deleted it (asking once too often costs a query)
+        self.in_doubt = on_disk | {s for s in ours if (self.spool_dir / s).exists()}
+        new = on_disk - ours
+        if new:
+            log.warning(
+                "ranklens collector: %d segment(s) another shipper of this spool sent without deleting "
+                "(killed?); the store is asked before sending them",
+                len(new),
+            )
 
     def _write_journal(self, doubt: set[str]) -> None:
         """Durably record ``doubt`` before anything of it is sent."""
@@ -269,6 +341,10 @@ class Shipper:
             os.fsync(f.fileno())
         os.replace(tmp, self.journal_path)
         self._journaled = set(doubt)
+        for old in self._legacy_journals:  # folded in: the spool's journal is the only one now
+            if old != self.journal_path:
+                with contextlib.suppress(OSError):
+                    old.unlink()
 
     def _forget(self, rel: str) -> None:
         self.in_doubt.discard(rel)
@@ -341,21 +417,31 @@ class Shipper:
 
     def _ship_once(self) -> ShipResult:
         result = ShipResult()
-        self._enforce_budget(result)
+        self._reload_journal()
         segments: list[_Segment] = []
         pending = self.pending()
+        probing = bool(self.failures) and len(pending) > PROBE_SEGMENTS
+        if self.failures:
+            # the store failed last time: hold the budget now, and let a few segments find out
+            # whether it is back before reading thousands (a failing pass stays short and cheap)
+            self._enforce_budget(result, evict=True)
+            pending = [p for p in pending[:PROBE_SEGMENTS] if p.exists()]
         for seg in pending:
             rel = self._rel(seg)
             try:
                 content = seg.read_bytes()
                 name, data = read_jsonl(seg, content=content)
-            except IngestError as e:
-                self._quarantine(seg, str(e))
-                result.quarantined += 1
-                continue
             except FileNotFoundError:
                 self._forget(rel)
                 continue  # another collector took it
+            except OSError as e:
+                log.error("ranklens collector: cannot read %s (%s); it stays for the next pass", seg, e)
+                continue
+            except Exception as e:  # any failure of this one segment: aside, and the others ship (issue 22 #1)
+                reason = str(e) if isinstance(e, IngestError) else f"{seg}: cannot be read: {type(e).__name__}: {e}"
+                if self._quarantine(seg, reason):
+                    result.quarantined += 1
+                continue
             segments.append(_Segment(seg, rel, name, data, ingest_id_of(rel, content)))
             if self.on_segment is not None and rel not in self._observed:  # once, not per retry
                 self._observed.add(rel)
@@ -367,48 +453,60 @@ class Shipper:
             self._ship_segments(segments, result)
         if result.ok:
             self._ship_traces(result)
-        drops = [self._drop_row(f"spool_budget:{t}", n) for t, n in sorted(result.evicted.items())]
-        if result.quarantined:
-            drops.append(self._drop_row("spool_segment_quarantined", result.quarantined))
-        self._record_drops(drops)
-        if result.ok and len(pending) < self.max_segments:
+        # the budget after the pass: a store that took the rows has emptied the spool; eviction is
+        # only for a pass that could not ship (issue 22 #2)
+        self._enforce_budget(result, evict=not result.ok)
+        self._record_result_drops(result)
+        if result.ok and not probing and len(pending) < self.max_segments:
             self.spool_bytes, self.spool_segments, self.spool_oldest = 0, 0, None  # drained
         return result
 
+    def _record_result_drops(self, result: ShipResult) -> None:
+        self._record_drops([self._drop_row(f"spool_budget:{t}", n) for t, n in sorted(result.evicted.items())])
+
+    def check_budget(self) -> ShipResult:
+        """Measure the spool and, while the store is failing (the last pass could not ship), hold it
+        to its budget: between passes, however long they back off, so the budget holds as data
+        arrives (issue 22 #6). Skipped (``busy``) while another shipper holds the spool."""
+        with self._spool_lock(0.0) as held:
+            if not held:
+                return ShipResult(busy=True)
+            result = ShipResult()
+            self._enforce_budget(result, evict=self.failures > 0)
+            self._record_result_drops(result)
+            return result
+
     def _ship_segments(self, segments: list[_Segment], result: ShipResult) -> None:
-        doubtful = [s for s in segments if s.rel in self.in_doubt]
-        done: list[_Segment] = []
-        if doubtful:
-            try:
-                with self._span("ranklens.settle", segments=len(doubtful)):
-                    settled = self._settle(doubtful, result)
-            except StoreError as e:
-                result.error = str(e)
-                self._store_failed(e, len(segments))
-                return
-            done.extend(settled)
-            settled_ids = {id(s) for s in settled}
-            segments = [s for s in segments if id(s) not in settled_ids]
         try:
             self._write_journal(self.in_doubt | {s.rel for s in segments})
         except OSError as e:
             result.error = f"cannot write the delivery journal {self.journal_path}: {e}"
             log.error("ranklens collector: %s; nothing sent", result.error)
             return
+        doubtful = [s for s in segments if s.rel in self.in_doubt]
         self.in_doubt |= {s.rel for s in segments}
+        done: list[_Segment] = []
+        todo = segments
         try:
-            for batch in _blocks(segments):
+            if doubtful:
+                with self._span("ranklens.settle", segments=len(doubtful)):
+                    settled = self._settle(doubtful, result)
+                done.extend(settled)
+                todo = [s for s in segments if s not in settled]
+            for batch, segs in _blocks(todo):
                 with self._span(
                     "ranklens.store_write", tables=sorted(batch), rows=sum(t.num_rows for t in batch.values())
                 ):
                     written = self.store.write_many(batch)
                 self._count(result, written)
-        except StoreError as e:
+                done.extend(segs)
+        except StoreUnavailable as e:
             result.error = str(e)
-            self._store_failed(e, len(segments))
-            return
-        self._store_ok()
-        done.extend(segments)
+            self._store_failed(e, len(segments) - len(done))
+        except Exception as e:  # refused, or failed converting: find the segment(s) at fault
+            done.extend(self._isolate([s for s in todo if s not in done], e, result))
+        if result.ok:
+            self._store_ok()
         for s in done:
             try:
                 s.path.unlink()
@@ -416,6 +514,46 @@ class Shipper:
                 pass
             self._forget(s.rel)
         result.segments += len(done)
+
+    def _isolate(self, segments: list[_Segment], first: Exception, result: ShipResult) -> list[_Segment]:
+        """A block failed for a reason other than the store being down: send its segments one by
+        one (each in doubt: asked about first, so nothing is sent twice). A segment that fails on
+        its own with a Python error, or that the store refuses while it takes others, is
+        quarantined; when the store refuses every one, it is the store's problem: all stay.
+        Returns the segments now stored."""
+        log.warning(
+            "ranklens collector: a block of %d segment(s) failed (%s: %s); sending them one by one",
+            len(segments),
+            type(first).__name__,
+            first,
+        )
+        stored: list[_Segment] = []
+        refused: list[tuple[_Segment, Exception]] = []
+        for s in segments:
+            try:
+                if self._settle([s], result):
+                    stored.append(s)
+                    continue
+                ((batch, _),) = list(_blocks([s]))
+                self._count(result, self.store.write_many(batch))
+                stored.append(s)
+            except StoreUnavailable as e:
+                result.error = str(e)
+                self._store_failed(e, len(segments) - len(stored))
+                return stored
+            except Exception as e:
+                refused.append((s, e))
+                if not stored and len(refused) >= 3 and all(isinstance(x, StoreError) for _, x in refused):
+                    break  # the store refuses everything: its problem, not these segments'
+        poison = [(s, e) for s, e in refused if stored or not isinstance(e, StoreError)]
+        for s, e in poison:
+            if self._quarantine(s.path, f"{s.path}: the store cannot take it: {type(e).__name__}: {e}"):
+                result.quarantined += 1
+        if len(poison) < len(refused):
+            e = next(e for s, e in refused if (s, e) not in poison)
+            result.error = str(e)
+            self._store_failed(e, len(refused) - len(poison))
+        return stored
 
     def _settle(self, doubtful: list[_Segment], result: ShipResult) -> list[_Segment]:
         """Ask the store which segments in doubt it already has. Returns those it has in full
@@ -537,12 +675,15 @@ class Shipper:
                     base = ingest_id_of(rel, iter(lambda: f.read(1 << 20), b""))
                 for _ in iter_kineto_batches(trace, job_id=job, attempt=int(attempt)):
                     pass  # validate all of it before writing any of it
-            except (IngestError, ValueError) as e:
-                self._quarantine(trace, str(e))
-                result.quarantined += 1
-                continue
             except FileNotFoundError:
                 self._forget(rel)
+                continue
+            except OSError as e:
+                log.error("ranklens collector: cannot read %s (%s); it stays for the next pass", trace, e)
+                continue
+            except Exception as e:  # any failure of this one trace: aside (issue 22 #1)
+                if self._quarantine(trace, str(e) if isinstance(e, IngestError) else f"{type(e).__name__}: {e}"):
+                    result.quarantined += 1
                 continue
             try:
                 skip: set[int] = set()
@@ -581,7 +722,9 @@ class Shipper:
 
     # --- the disk budget -----------------------------------------------------------------------
 
-    def _enforce_budget(self, result: ShipResult) -> None:
+    def _enforce_budget(self, result: ShipResult, *, evict: bool) -> None:
+        """Measure the spool (at most every ``check_interval_s``); with ``evict`` (the store cannot
+        take the rows) remove the least valuable data until it is back within its budget."""
         b = self.budget
         if b is None or time.monotonic() - self._last_budget_check < b.check_interval_s:
             return
@@ -597,9 +740,9 @@ class Shipper:
             total += st.st_size
         self.spool_bytes, self.spool_segments = total, len(files)
         self.spool_oldest = min((f[1] for f in files), default=None)
-        free = _free_bytes(self.spool_dir)
+        free = self._free_bytes(self.spool_dir)
         over = max(total - b.max_bytes if b.max_bytes else 0, b.min_free_bytes - free if b.min_free_bytes else 0)
-        if over <= 0:
+        if over <= 0 or not evict:
             return
         target = over + (b.max_bytes // 10 if b.max_bytes else 0)  # hysteresis: a tenth below the limit
         freed = 0
@@ -616,8 +759,8 @@ class Shipper:
             result.evicted[table_name] = result.evicted.get(table_name, 0) + rows
         self.spool_bytes -= freed
         log.error(
-            "ranklens collector: spool over its budget (%s, limit %s, %s free): removed %s, "
-            "oldest low-value data first: %s",
+            "ranklens collector: store unavailable and the spool over its budget (%s, limit %s, %s free): "
+            "removed %s, oldest low-value data first: %s",
             _human(total),
             _human(b.max_bytes) if b.max_bytes else "none",
             _human(free),
@@ -641,7 +784,11 @@ class Shipper:
         passes = 0
         while True:
             stopping = stop()
-            r = self.ship_once()
+            try:
+                r = self.ship_once()
+            except Exception as e:  # never let the shipping thread die (issue 22 #1): next pass
+                log.exception("ranklens collector: shipping pass failed; segments stay for the next one")
+                r = ShipResult(error=f"{type(e).__name__}: {e}")
             passes += 1
             if on_pass:
                 on_pass(r)
@@ -667,25 +814,27 @@ def _parse_fault(spec: str) -> int:
     return int(m.group(1) or 1)
 
 
-def _blocks(segments: list[_Segment]) -> Iterator[dict[str, Any]]:
-    """Batches for ``write_many``: per table at most MAX_BLOCK_ROWS rows, never splitting a segment."""
+def _blocks(segments: list[_Segment]) -> Iterator[tuple[dict[str, Any], list[_Segment]]]:
+    """Batches for ``write_many`` and the segments in each: per table at most MAX_BLOCK_ROWS rows,
+    never splitting a segment."""
     import pyarrow as pa
 
-    by_table: dict[str, list[Any]] = {}
+    by_table: dict[str, list[_Segment]] = {}
     for s in segments:
-        by_table.setdefault(s.table, []).append(_stamp(s.data, s.ingest_id))
-    rounds: list[dict[str, list[Any]]] = []
-    for name, parts in by_table.items():
+        by_table.setdefault(s.table, []).append(s)
+    rounds: list[dict[str, list[_Segment]]] = []
+    for name, segs in by_table.items():
         k, rows = 0, 0
-        for part in parts:
-            if rows and rows + part.num_rows > MAX_BLOCK_ROWS:
+        for seg in segs:
+            if rows and rows + seg.rows > MAX_BLOCK_ROWS:
                 k, rows = k + 1, 0
             while len(rounds) <= k:
                 rounds.append({})
-            rounds[k].setdefault(name, []).append(part)
-            rows += part.num_rows
+            rounds[k].setdefault(name, []).append(seg)
+            rows += seg.rows
     for r in rounds:
-        yield {name: pa.concat_tables(parts) for name, parts in r.items()}
+        batch = {name: pa.concat_tables([_stamp(s.data, s.ingest_id) for s in segs]) for name, segs in r.items()}
+        yield batch, [s for segs in r.values() for s in segs]
 
 
 def _stamp(data: Any, ingest_id: int) -> Any:
@@ -742,3 +891,32 @@ def _human(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024  # type: ignore[assignment]
     return f"{n:.1f} TiB"
+
+
+@contextlib.contextmanager
+def hold_collector_lock(spool_dir: str | os.PathLike[str]) -> Iterator[bool]:
+    """Hold ``<spool>/.collector.lock`` (the node agent, for as long as it runs): ``ranklens run``
+    starts its own shipper only when it can take this lock, so it does not ship next to a running
+    collector. Yields False when another process holds it (the agent runs anyway: the spool's
+    ship lock and journal keep two shippers from sending anything twice)."""
+    import fcntl
+
+    try:
+        Path(spool_dir).mkdir(parents=True, exist_ok=True)
+        fd = os.open(Path(spool_dir) / COLLECTOR_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        log.warning("ranklens collector: cannot open %s (%s)", Path(spool_dir) / COLLECTOR_LOCK, e)
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
