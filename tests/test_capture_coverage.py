@@ -264,6 +264,20 @@ def test_calls_coalesced_into_one_entry_are_one_row(tmp_path):
     assert t._drops["collectives:wrapped_call_without_own_entry"] == 2
 
 
+def test_wrapped_calls_whose_entries_were_overwritten_keep_their_seqs(tmp_path):
+    t, ring, clock = _ledger(tmp_path)
+    for seq in (1, 2, 3):
+        c = t.ledger.entered("0", "all_reduce", 16, "float32", False)
+        ring.add("0", seq, clock())
+        c.t1 = clock()
+        t.collective_completed(c.row)
+    del ring.entries[:2]  # the ring wrapped before the reader came: entries 1 and 2 are gone
+    t.ledger.poll(clock())
+    assert sorted(r["seq"] for r in _rows(t)) == [1, 2, 3]
+    assert t._drops["collectives:fr_overwritten_recovered"] == 2
+    assert t._drops["collectives:wrapped_call_without_own_entry"] == 0
+
+
 def test_an_in_flight_ring_entry_is_written_when_it_retires(tmp_path):
     t, ring, clock = _ledger(tmp_path)
     ring.add("0", 1, clock(), retired=False)

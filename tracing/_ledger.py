@@ -93,6 +93,9 @@ class Ledger:
         capacity: entries the ring holds; it is dumped before half of it is new.
         max_delay_s: at most this long between a new entry and its row (when nothing else triggers
             a read earlier).
+        poll_s: how often the ledger's thread checks how much is new (a status read of a few
+            microseconds); the ring is dumped when half of it is new, so it is not overwritten
+            unread below ~``capacity / 2 / poll_s`` collectives a second (20,000/s by default).
         claim_wait_s: a call in flight this long gets its seq at the next flush (heartbeats and
             hang dumps then name it).
     """
@@ -105,6 +108,7 @@ class Ledger:
         capacity: int = 2000,
         max_delay_s: float = 2.0,
         claim_wait_s: float = 1.0,
+        poll_s: float = 0.05,
     ) -> None:
         self.t = tracer
         self.reader = reader
@@ -118,16 +122,35 @@ class Ledger:
         self._known_pgs: set[str] = set()
         self._open: dict[tuple[int, int], dict[str, Any]] = {}  # ring-only rows in flight, by (ring, id)
         self._last_read_ns = 0
+        self._last_seq: dict[str, int] = {}  # the newest seq read per group
         self._enqueued_at_read = 0
         self.reads = 0
         self.entries = 0
+        self.poll_s = poll_s
+        self._poll_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def create(cls, tracer: Any) -> Ledger | None:
         reader = RingReader.create()
         if reader is None:
             return None
-        return cls(tracer, reader, capacity=ring_capacity())
+        ledger = cls(tracer, reader, capacity=ring_capacity())
+        ledger.start()
+        return ledger
+
+    def start(self) -> None:
+        """Poll from a thread of its own (the tracer's flush interval is too slow for a busy ring);
+        it stops with the tracer."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ranklens-ring", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        stop = self.t._stop
+        while not stop.wait(self.poll_s):
+            if self.t.enabled:
+                self.poll(self.t.clock())
 
     # -- the hot path (the caller's thread) ------------------------------------------------
     def covers(self, pg: str, group: Any, c10d: Any) -> bool:
@@ -186,7 +209,16 @@ class Ledger:
 
     # -- the reader (the tracer's background thread) ----------------------------------------
     def poll(self, now: int, force: bool = False) -> None:
-        """Read the ring when due (see the class doc); never raises."""
+        """Read the ring when due (see the class doc); never raises. The final (forced) poll waits
+        for one in progress on the other thread."""
+        if not self._poll_lock.acquire(blocking=force):
+            return
+        try:
+            self._poll(now, force)
+        finally:
+            self._poll_lock.release()
+
+    def _poll(self, now: int, force: bool) -> None:
         try:
             n = self.reader.enqueued()
             if not force and not self._due(now, n):
@@ -231,7 +263,18 @@ class Ledger:
             if pg not in self._known_pgs:
                 self._register(pg)
             created = int(e.get("time_created_ns") or 0)
-            c = self._match(pg, created)
+            c, orphans = self._match(pg, created)
+            gap = seq - self._last_seq.get(pg, 0) - 1  # seqs of this group never seen
+            if seq > self._last_seq.get(pg, 0):
+                self._last_seq[pg] = seq
+            if orphans:
+                if gap == len(orphans):  # their entries were overwritten unread: one seq each, in order
+                    for i, o in enumerate(orphans):
+                        self._settle(o, seq - gap + i)
+                    t.count_drop("collectives:fr_overwritten_recovered", gap)
+                else:  # coalesced calls (gap 0), or lost among other entries: counted, not guessed
+                    for o in orphans:
+                        self._drop_claim(o)
             if c is not None:
                 self._settle(c, seq)
                 continue
@@ -289,20 +332,22 @@ class Ledger:
             if e is None or e.get("retired", True) or end > 0:
                 self._write_ring_row(self._open.pop(key), end)
 
-    def _match(self, pg: str, created: int) -> _Claim | None:
+    def _match(self, pg: str, created: int) -> tuple[_Claim | None, list[_Claim]]:
+        """The claim whose call made the entry created at ``created`` (None: a call the wrappers did
+        not see, e.g. DDP's reducer, FSDP2's, DTensor's), and the claims before it whose calls
+        ended with no entry read for them (coalesced, or their entries were overwritten)."""
         q = self._claims.get(pg)
+        orphans: list[_Claim] = []
         while q:
             c = q[0]
             if created < c.t0:
-                return None  # a call the wrappers did not see (DDP's reducer, FSDP2, DTensor, ...)
-            if c.t1 and created > c.t1:
-                # the call ended before this entry: it made none of its own (coalesced)
-                q.popleft()
-                self._drop_claim(c)
-                continue
+                return None, orphans
             q.popleft()
-            return c
-        return None
+            if c.t1 and created > c.t1:
+                orphans.append(c)
+                continue
+            return c, orphans
+        return None, orphans
 
     def _drop_claim(self, c: _Claim) -> None:
         with self._lock:
