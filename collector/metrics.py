@@ -206,6 +206,10 @@ class CollectorMetrics:
         self.log_repeats_collapsed = Counter(
             f"{p}_log_repeats_collapsed", "log events folded into an earlier one", registry=r
         )
+        self.log_lines_truncated = Counter(
+            f"{p}_log_lines_truncated", "log lines longer than the line limit, cut there", registry=r
+        )
+        self.log_bytes_cut = Counter(f"{p}_log_bytes_cut", "bytes cut off over-long log lines (skipped)", registry=r)
         self.segments_written = Counter(
             f"{p}_segments_written", "segments the collector wrote to its spool", ["table"], registry=r
         )
@@ -260,6 +264,8 @@ class CollectorMetrics:
         self.log_bytes_read.inc(d.bytes_read)
         self.log_lines_dropped.inc(max(d.lines_dropped, 0))
         self.log_repeats_collapsed.inc(d.repeats_collapsed)
+        self.log_lines_truncated.inc(d.lines_truncated)
+        self.log_bytes_cut.inc(d.bytes_cut)
         for k, v in d.kept_by_class.items():
             self.log_lines_kept.labels(k).inc(v)
         for k, v in d.events_by_class.items():

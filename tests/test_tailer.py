@@ -342,9 +342,11 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
     """The real `ranklens collector`: an error line, then 200 MB without a newline while the
     collector runs, then the newline and another error line."""
     import signal
+    import socket
     import subprocess
     import sys
     import time
+    import urllib.request
 
     from ranklens.collector import logfilter
     from ranklens.store import open_store
@@ -357,6 +359,9 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
         'host = "node-long"\nnvml = false\n'
     )
     root = Path(__file__).resolve().parents[1]
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
     err_log = tmp_path / "collector.log"
     p = logs / "rank-0.log"
     _append(p, OOM + " ready")
@@ -366,6 +371,7 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
             [
                 *(sys.executable, "-c", "from ranklens.cli import main; main()", "collector", "--store", url),
                 *("--config", str(cfg), "--spool", str(tmp_path / "spool"), "--logs", str(logs / "*.log")),
+                *("--metrics-port", str(port), "--metrics-addr", "127.0.0.1"),
             ],
             stdout=subprocess.DEVNULL,
             stderr=err,
@@ -402,6 +408,7 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
         took = time.monotonic() - t0
         peak_kb = _vm_kb(proc.pid, "VmHWM")
         msgs = messages()
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
@@ -428,3 +435,6 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
     finally:
         s.close()
     assert drops == {"log_lines_truncated": 1, "log_bytes_cut": n - logfilter.MAX_LINE_BYTES}
+    values = {ln.split()[0]: float(ln.split()[1]) for ln in metrics.splitlines() if ln and not ln.startswith("#")}
+    assert values["ranklens_collector_log_lines_truncated_total"] == 1
+    assert values["ranklens_collector_log_bytes_cut_total"] == n - logfilter.MAX_LINE_BYTES
