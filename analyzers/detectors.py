@@ -181,7 +181,10 @@ class PeerComputeDetector:
     deviations from their peers over all steps (the host's noise: on a busy host every rank's
     compute jitters by tens of ms, and three peers can agree by chance at one step). As for blame,
     the finding spans the densest run of hot steps (share ``persistence``, at least
-    ``min_hot_steps``), its onset refined to the change of level. Waiting is not compute, so
+    ``min_hot_steps``), its onset refined to the change of level. The run must then be a level
+    shift the noise cannot explain: its mean excess, times the square root of its length, at
+    least ``shift_z`` of that noise (a 50 ms straggler on a host whose noise is 25 ms needs a few
+    more steps to be named than on a quiet host, and a burst of noise is never named). Waiting is not compute, so
     victims of a slow peer are never hot; a stage that is slower by design is compared with itself.
     """
 
@@ -190,7 +193,8 @@ class PeerComputeDetector:
     z: float = 3.0
     persistence: float = 0.7
     min_hot_steps: int = 3
-    pooled_z: float = 2.0
+    pooled_z: float = 1.0
+    shift_z: float = 4.0
     name: str = "peer_compute"
 
     def __post_init__(self) -> None:
@@ -244,6 +248,11 @@ class PeerComputeDetector:
                 if seg is None:
                     continue
                 a, b, n_hot = seg
+                noise = float(pooled[k, 0])
+                if noise > 0:
+                    shift = float(np.nanmean(excess[k, a : b + 1])) * np.sqrt(b - a + 1) / noise
+                    if not shift >= self.shift_z:
+                        continue
                 ex = np.nan_to_num(excess[k, a : b + 1])
                 with np.errstate(all="ignore"), warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)

@@ -199,7 +199,15 @@ def to_peer_finding(
             "sql": cm.sql,
             "thresholds": {
                 k: getattr(detector, k)
-                for k in ("min_excess_ratio", "min_excess_s", "z", "pooled_z", "persistence", "min_hot_steps")
+                for k in (
+                    "min_excess_ratio",
+                    "min_excess_s",
+                    "z",
+                    "pooled_z",
+                    "shift_z",
+                    "persistence",
+                    "min_hot_steps",
+                )
             },
         },
         state="open" if ongoing else "resolved",
