@@ -8,7 +8,13 @@ of each pair sends ``nbytes`` ``iters`` times, each send acknowledged by a 4-byt
 time covers delivery. :func:`attach_probe` records the result as evidence on the finding.
 
 Run by the launcher as ``python -m ranklens.analyzers.probe --rank R --world W --master A:P
---plan plan.json --out DIR``; the worker imports torch, never the caller.
+--plan JSON``; the worker imports torch, never the caller. Nothing goes through a file system the
+caller and the nodes would have to share (issue 22 #11: a remote node has its own ``/tmp``): the
+plan is passed inline on the command line, rank 0 binds the rendezvous port *on its own node* (a
+free one there, unless a port is given) and prints ``RANKLENS-PROBE-PORT <port>`` before the other
+workers are started with it, and every worker prints its measurements as one
+``RANKLENS-PROBE-RESULT <json>`` line on its standard output, which the launcher (``ssh``,
+``srun``, ``kubectl exec``) carries back.
 """
 
 from __future__ import annotations
@@ -17,14 +23,12 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,6 +48,9 @@ __all__ = [
 ]
 
 Launcher = Callable[[str, list[str]], list[str]]  # (node, argv) -> the command that runs argv on node
+
+PORT_TAG = "RANKLENS-PROBE-PORT"
+RESULT_TAG = "RANKLENS-PROBE-RESULT"
 
 
 class ProbeError(RanklensError):
@@ -152,10 +159,72 @@ def plan_probe(finding: Finding, nodes: list[str]) -> list[ProbePair]:
     return pairs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class _Worker:
+    """One launched worker: its output read by threads (so no pipe fills), the tagged lines kept."""
+
+    def __init__(self, node: str, cmd: list[str], env: dict[str, str]) -> None:
+        self.node = node
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.lines: list[str] = []
+        self._port: int | None = None
+        self._result: Any = None
+        self._tagged = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._read, args=(stream,), daemon=True)
+            for stream in (self.proc.stdout, self.proc.stderr)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            line = line.rstrip("\n")
+            tag, _, rest = line.partition(" ")
+            if tag == PORT_TAG and rest.strip().isascii() and rest.strip().isdigit():
+                self._port = int(rest)
+                self._tagged.set()
+            elif tag == RESULT_TAG:
+                try:
+                    self._result = json.loads(rest)
+                except ValueError:
+                    self.lines.append(line)
+            else:
+                self.lines.append(line)
+        stream.close()
+        if stream is self.proc.stdout:  # no more output: nobody waits for a port that will not come
+            self._tagged.set()
+
+    def wait_for_port(self, deadline: float) -> int | None:
+        self._tagged.wait(max(0.0, deadline - time.monotonic()))
+        return self._port
+
+    def wait(self, deadline: float) -> bool:
+        try:
+            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+        for t in self._threads:
+            t.join(timeout=max(0.1, deadline - time.monotonic()))
+        return True
+
+    def result(self) -> Any:
+        return self._result
+
+    def output(self) -> str:
+        return "\n".join(self.lines)[-2000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for t in self._threads:
+            t.join(timeout=5)
 
 
 def run_probe(
@@ -176,12 +245,13 @@ def run_probe(
     Args:
         pairs: what to measure (see :func:`plan_probe`).
         addresses: node -> address the other nodes reach it at; the first node of the first pair
-            hosts the rendezvous.
+            hosts the rendezvous (its worker is started first and reports the port it bound).
         launcher: turns ``(node, argv)`` into a command that runs ``argv`` on that node.
-        env: extra environment per node (e.g. ``GLOO_SOCKET_IFNAME``).
+        env: extra environment per node (e.g. ``GLOO_SOCKET_IFNAME``), set on the node by the command.
         nbytes, iters: each direction sends ``nbytes`` ``iters`` times (after one warm-up); size
             them so that a healthy send takes milliseconds at least.
-        port: rendezvous port on the first node (0: a free port of this machine).
+        port: rendezvous port on the first node (0: a free port that the first node's worker picks
+            there; nothing is assumed about the caller's machine).
         timeout_s: the whole probe's limit.
         python: interpreter on the nodes.
         confirm_ratio: see :class:`ProbeReport`.
@@ -200,45 +270,57 @@ def run_probe(
     if missing:
         raise ValueError(f"no address for node(s) {missing}")
     rank = {n: i for i, n in enumerate(nodes)}
-    port = port or _free_port()
     plan = {
         "nbytes": int(nbytes),
         "iters": int(iters),
         "timeout_s": float(timeout_s),
         "steps": [[rank[s], rank[d], p.role, s, d] for p in pairs for s, d in ((p.a, p.b), (p.b, p.a))],
     }
-    with tempfile.TemporaryDirectory(prefix="ranklens-probe-") as tmp:
-        plan_path = Path(tmp) / "plan.json"
-        plan_path.write_text(json.dumps(plan))
-        procs = []
-        for n in nodes:
-            argv = [python, "-m", "ranklens.analyzers.probe", "--rank", str(rank[n]), "--world", str(len(nodes))]
-            argv += ["--master", f"{addresses[nodes[0]]}:{port}", "--plan", str(plan_path), "--out", tmp]
-            penv = {**os.environ, "OMP_NUM_THREADS": "1", **(env(n) if env else {})}
-            procs.append(
-                subprocess.Popen(
-                    launcher(n, argv), env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-                )
+    master = addresses[nodes[0]]
+    deadline = time.monotonic() + timeout_s
+    workers: list[_Worker] = []
+
+    def start(n: str, master_at: str) -> _Worker:
+        # the node's environment travels in the command (``env K=V``): ssh and srun do not pass on ours
+        node_env = {"OMP_NUM_THREADS": "1", **(env(n) if env else {})}
+        argv = ["env", *(f"{k}={v}" for k, v in node_env.items()), python, "-m", "ranklens.analyzers.probe"]
+        argv += ["--rank", str(rank[n]), "--world", str(len(nodes)), "--master", master_at]
+        argv += ["--plan", json.dumps(plan, separators=(",", ":"))]
+        w = _Worker(n, launcher(n, argv), {**os.environ, **node_env})
+        workers.append(w)
+        return w
+
+    try:
+        # rank 0 first: it binds the rendezvous port on its node and says which
+        first = start(nodes[0], _host_port(master, int(port)))
+        bound = first.wait_for_port(deadline)
+        if bound is None:
+            first.stop()
+            if first.proc.returncode not in (None, 0):
+                raise ProbeError(f"probe worker on {nodes[0]} exited {first.proc.returncode}: {first.output()}")
+            raise ProbeError(
+                f"probe timed out after {timeout_s:.0f} s: the worker on {nodes[0]} did not open the rendezvous "
+                f"port: {first.output()}"
             )
-        deadline = time.monotonic() + timeout_s
-        outs = []
-        try:
-            for proc in procs:
-                outs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-        except subprocess.TimeoutExpired:
-            for proc in procs:
-                proc.kill()
-            for proc in procs:
-                proc.wait()
-            raise ProbeError(f"probe timed out after {timeout_s:.0f} s") from None
-        failed = [(n, proc.returncode, o) for n, proc, o in zip(nodes, procs, outs) if proc.returncode != 0]
+        for n in nodes[1:]:
+            start(n, _host_port(master, bound))
+        for w in workers:
+            if not w.wait(deadline):
+                raise ProbeError(f"probe timed out after {timeout_s:.0f} s (worker on {w.node}): {w.output()}")
+        failed = [w for w in workers if w.proc.returncode != 0]
         if failed:
-            n, rc, out = failed[0]
-            raise ProbeError(f"probe worker on {n} exited {rc}: {out[-2000:]}")
+            w = failed[0]
+            raise ProbeError(f"probe worker on {w.node} exited {w.proc.returncode}: {w.output()}")
         results = []
-        for i in range(len(nodes)):
-            for r in json.loads((Path(tmp) / f"rank{i}.json").read_text()):
+        for w in workers:
+            doc = w.result()
+            if doc is None:
+                raise ProbeError(f"probe worker on {w.node} printed no {RESULT_TAG} line: {w.output()}")
+            for r in doc:
                 results.append(ProbeResult(r["src"], r["dst"], r["role"], r["nbytes"], tuple(r["iter_seconds"])))
+    finally:
+        for w in workers:
+            w.stop()
     return ProbeReport(tuple(results), confirm_ratio)
 
 
@@ -259,20 +341,49 @@ def attach_probe(finding: Finding, report: ProbeReport) -> Finding:
 # --------------------------------------------------------------------------------------- worker
 
 
+def _listen(port: int) -> Any:
+    """A listening socket on every address of this node (``port`` 0: a free one)."""
+    import socket
+
+    if socket.has_dualstack_ipv6():
+        try:
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        except OSError:  # IPv6 off on this node (or in its network namespace)
+            pass
+    return socket.create_server(("0.0.0.0", port))
+
+
 def _worker(args: argparse.Namespace) -> int:
+    plan = json.loads(args.plan)
+    host, _, port = args.master.rpartition(":")
+    host = host.strip("[]")
+    listener = None
+    if args.rank == 0:
+        # the rendezvous lives on this node: bind here (port 0: a free port of *this* node) and say
+        # which at once, before the slow torch import, so the caller can start the others meanwhile
+        listener = _listen(int(port))
+        port = str(listener.getsockname()[1])
+        print(f"{PORT_TAG} {port}", flush=True)
+
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    plan = json.loads(Path(args.plan).read_text())
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{args.master}",
-        rank=args.rank,
-        world_size=args.world,
-        timeout=timedelta(seconds=plan["timeout_s"]),
-    )
+    timeout = timedelta(seconds=plan["timeout_s"])
+    if listener is not None:
+        try:
+            store = dist.TCPStore(
+                host, int(port), args.world, is_master=True, timeout=timeout, wait_for_workers=False,
+                master_listen_fd=listener.fileno(),
+            )  # fmt: skip
+        except TypeError:  # a torch without master_listen_fd: let it bind the port itself
+            listener.close()
+            listener = None
+            store = dist.TCPStore(host, int(port), args.world, is_master=True, timeout=timeout, wait_for_workers=False)
+    else:
+        store = dist.TCPStore(host, int(port), args.world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world, timeout=timeout)
     me = args.rank
     buf = torch.ones(max(1, plan["nbytes"] // 4), dtype=torch.float32)
     ack = torch.zeros(1, dtype=torch.float32)
@@ -296,7 +407,7 @@ def _worker(args: argparse.Namespace) -> int:
                 dist.recv(buf, src=src)
                 dist.send(ack, dst=src)
     dist.barrier()
-    Path(args.out, f"rank{me}.json").write_text(json.dumps(out))
+    print(f"{RESULT_TAG} {json.dumps(out)}", flush=True)  # back to the caller over the launcher's stdout
     dist.destroy_process_group()
     return 0
 
@@ -306,9 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ranklens.analyzers.probe", description="probe worker (one per node)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
-    p.add_argument("--master", required=True, help="address:port of rank 0")
-    p.add_argument("--plan", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--master", required=True, help="address:port of rank 0 (rank 0 with port 0: a free one)")
+    p.add_argument("--plan", required=True, help="the plan, as JSON text")
     return _worker(p.parse_args(argv))
 
 

@@ -4,6 +4,10 @@ The probe runs outside the job, one process per node involved (``torch.distribut
 send/recv, each send acknowledged), started through a launcher: ``local`` (every endpoint on
 this machine: single-host checks), ``ssh`` (``ssh NODE``), or any command template with
 ``{node}`` (``"srun -w {node} --"``, ``"kubectl exec {node} --"``).
+
+Nothing is shared between this machine and the nodes but the launcher: the plan goes inline in
+the worker's command, the first node's worker binds the rendezvous port on that node and reports
+it, and the measurements come back on each worker's standard output (issue 22 #11).
 """
 
 from __future__ import annotations
@@ -60,7 +64,9 @@ def _pair(text: str, role: str) -> Any:
     "--launcher",
     default="local",
     show_default=True,
-    help="How to run the probe on a node: local, ssh, or a template such as 'srun -w {node} --'.",
+    help="How to run the probe on a node: local, ssh, or a template such as 'srun -w {node} --'. The nodes "
+    "need ranklens and torch, not a file system shared with this machine; the first pair's first node "
+    "hosts the rendezvous on a free port of its own.",
 )
 @click.option("--bytes", "size", default="16MiB", show_default=True, help="Bytes per send.")
 @click.option("--iters", type=click.IntRange(1, 1000), default=5, show_default=True, help="Sends per direction.")

@@ -196,3 +196,47 @@ def test_findings_round_trip_through_the_store_with_their_links(embedded_store):
         (7, "node3", ("node3", "network")),
     ]
     assert (got.kind, got.severity, got.confidence, got.evidence) == (f.kind, f.severity, f.confidence, f.evidence)
+
+
+@pytest.mark.e2e
+def test_probe_across_hosts_each_with_its_own_network_and_tmp(tmp_path):
+    """issue 22 #11: with a remote launcher (ssh, srun) each worker is on another host, with its own
+    /tmp and its own ports. Here every node is a network namespace of a real bed and the launcher
+    template also gives each worker a private, empty tmpfs on /tmp: the plan must reach the workers
+    inline, the results come back over their stdout, and the rendezvous port is bound on the first
+    node (the caller's ports mean nothing there). Before, the workers failed with
+    ``FileNotFoundError: .../plan.json``."""
+    import json
+    import subprocess
+    import sys
+    import uuid
+
+    from ranklens.analyzers.netbed import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    bed = NetBed(3, prefix=f"rlp{uuid.uuid4().hex[:5]}", subnet="10.79.0").up()
+    try:
+        template = (
+            f"ip netns exec {bed.prefix}-{{node}} env GLOO_SOCKET_IFNAME=veth0 "
+            "unshare --mount --propagation private "
+            'sh -c \'mount -t tmpfs ranklens-probe-tmp /tmp && test -z "$(ls -A /tmp)" && exec "$@"\' {node}'
+        )
+        addresses = [f"--address=n{k}={bed.address(k)}" for k in range(3)]
+        r = subprocess.run(
+            [sys.executable, "-m", "ranklens.cli", "probe", "--pair", "n0:n1", "--reference", "n1:n2",
+             *addresses, "--launcher", template, "--bytes", "1MiB", "--iters", "2", "--timeout", "150", "--json"],
+            capture_output=True, text=True, timeout=200, cwd=tmp_path,
+        )  # fmt: skip
+    finally:
+        bed.down()
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert sorted((x["src"], x["dst"], x["role"]) for x in report["results"]) == [
+        ("n0", "n1", "suspect"),
+        ("n1", "n0", "suspect"),
+        ("n1", "n2", "reference"),
+        ("n2", "n1", "reference"),
+    ]
+    assert all(x["bandwidth_MBps"] > 1 and len(x["iter_seconds"]) == 2 for x in report["results"])
