@@ -419,7 +419,14 @@ def _dead_ranks(
             "AND end_ns = -1"
         ).rows()
     }
-    origins = [r for r in dead if r not in failed] or [min(dead, key=lambda r: ranks[r].ts_ns if r in ranks else 0)]
+    # A rank that died while waiting inside a collective (its last heartbeat has one pending) lost
+    # its peer too, even before its failed ledger row has reached the store.
+    failed |= {r for r in dead if r in ranks and ranks[r].pending}
+    origins = [r for r in dead if r not in failed]
+    if not origins and not roots:  # nobody else explains it: the one that fell silent first
+        origins = [min(dead, key=lambda r: ranks[r].ts_ns if r in ranks else 0)]
+    if not origins:
+        return []  # collateral of the hang/crash origins found above
     out = []
     for r in origins:
         hb = ranks.get(r)
