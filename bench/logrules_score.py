@@ -18,9 +18,10 @@ from ranklens.collector.logfilter import LogFilter
 from ranklens.collector.logscore import load_labelled, score_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-SPLITS = {
-    "tuning (tests/data/logs)": ROOT / "tests" / "data" / "logs" / "real_log_lines.jsonl",
-    "held-out (tests/data/logs_heldout)": ROOT / "tests" / "data" / "logs_heldout" / "heldout_log_lines.jsonl",
+HELDOUT = ROOT / "tests" / "data" / "logs_heldout"
+SPLITS: dict[str, list[Path]] = {
+    "tuning (tests/data/logs)": [ROOT / "tests" / "data" / "logs" / "real_log_lines.jsonl"],
+    "held-out, all parts (tests/data/logs_heldout)": sorted(HELDOUT.glob("heldout*_log_lines.jsonl")),
 }
 
 
@@ -30,11 +31,13 @@ def main() -> None:
     ap.add_argument("--engine", default="auto")
     ap.add_argument("--errors", action="store_true", help="list every misclassified line")
     args = ap.parse_args()
-    splits = {f: Path(f) for f in args.files} if args.files else SPLITS
+    splits = {f: [Path(f)] for f in args.files} if args.files else SPLITS
     lf = LogFilter(engine=args.engine)
     print(f"engine {lf.engine}, {len(lf.rules.rules)} rules")
-    for title, path in splits.items():
-        sc = score_rows(load_labelled(path), lf)
+    for title, paths in splits.items():
+        # the files one after the other, as one stream (each ends with benign lines)
+        rows = [r for p in paths for r in load_labelled(p)]
+        sc = score_rows(rows, lf)
         print(sc.format(title))
         if args.errors:
             for i, lab, p, line in sc.errors:

@@ -495,7 +495,7 @@ class StreamFilter:
                     if not idle:
                         return None
                     ch = 0
-                if ch:
+                if isinstance(ch, tuple):
                     us = work.rfind(b"\n", 0, pos + ch[0] - 1) + 1  # the chained "Traceback" line
                     joined_before = ch[1] - 1
                     seg = _segment_end(work, pos + ch[0], limit, tb_pre, idle)
@@ -533,20 +533,20 @@ class StreamFilter:
                 else:
                     break
             u = self._unit_rule(work, us, uend, cands)
-            specific = u is not None and not u.generic
-            if specific and klass is not None and u.klass != klass:  # type: ignore[union-attr]
+            spec = u if u is not None and not u.generic else None  # the class the unit names
+            if spec is not None and klass is not None and spec.klass != klass:
                 pos, lines = us, lines + joined_before  # another class: it starts its own event
                 break
-            if kind == "cont" and (not specific or u.klass != klass):  # type: ignore[union-attr]
+            if kind == "cont" and (spec is None or spec.klass != klass):
                 break
-            if kind == "tb" and not specific and klass is not None:
+            if kind == "tb" and spec is None and klass is not None:
                 pos, lines = us, lines + joined_before
                 break
-            if specific:
+            if spec is not None:
                 if klass is None:
-                    klass, best = u.klass, u  # type: ignore[union-attr]
-                elif u.priority > best.priority or best.generic:  # type: ignore[union-attr]
-                    best = u  # type: ignore[assignment]
+                    klass, best = spec.klass, spec
+                elif spec.priority > best.priority or best.generic:
+                    best = spec
             last_line_start = work.rfind(b"\n", 0, uend - 1) + 1
             pos, lines, extra = uend, lines + n, extra + n
             if kind != "cont":
