@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -202,8 +201,14 @@ def test_spool_unwritable_mid_run_gives_one_warning_and_a_count_not_a_traceback_
         while not list(spool.glob("flood/0/rank-0/*.jsonl")):  # the tracer has written
             assert p.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
             time.sleep(0.05)
-        shutil.rmtree(spool / "flood")
-        (spool / "flood").write_text("the job's spool directory is now a file\n")  # every write fails
+        for i in range(50):  # the job's spool directory becomes a file: every write fails from now on
+            os.rename(spool / "flood", tmp_path / f"moved-{i}")  # atomic, while the tracer may be writing
+            try:  # (unless its writer made the directory again in between: then once more)
+                os.close(os.open(spool / "flood", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                break
+            except FileExistsError:
+                continue
+        assert (spool / "flood").is_file()
         go.touch()
         out, _ = p.communicate(timeout=120)
     finally:
