@@ -55,6 +55,7 @@ CUT_MARK = " [... truncated by ranklens]"  # ends an event's message that was cu
 MAX_CONTEXT_CHARS = 1000  # per context line
 MAX_GROUPS = 1024  # distinct events held for collapsing before the oldest is released
 MAX_TRAILER_LINES = 200
+MAX_MESSAGE_LINES = 3  # lines of the same class after a traceback taken as more of its exception's text
 
 _SEV_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2, Severity.CRITICAL: 3}
 
@@ -471,6 +472,7 @@ class StreamFilter:
         best = rule
         pos, lines, extra = le + 1, 1, 0
         tb_pre: bytes | None = None  # set while the last unit was a traceback (a chain may follow)
+        conts = 0  # lines of the exception's message joined after the last traceback
         last_line_start = ls
         if rule.block == "traceback":
             seg = _segment_end(work, pos, limit, pre, idle)
@@ -528,7 +530,7 @@ class StreamFilter:
                     if summ is None:
                         return None
                     uend, n, kind = summ[0], summ[1], "summary"
-                elif tb_pre is not None and pos in cands and body.strip():
+                elif tb_pre is not None and conts < MAX_MESSAGE_LINES and pos in cands and body.strip():
                     uend, n, kind = nl + 1, 1, "cont"  # more of the exception's message, if same class
                 else:
                     break
@@ -549,8 +551,10 @@ class StreamFilter:
                     best = spec
             last_line_start = work.rfind(b"\n", 0, uend - 1) + 1
             pos, lines, extra = uend, lines + n, extra + n
-            if kind != "cont":
-                tb_pre = upre if kind in ("tb", "chain") else None
+            if kind == "cont":
+                conts += 1
+            else:
+                tb_pre, conts = (upre if kind in ("tb", "chain") else None), 0
         truncated = lines >= MAX_EVENT_LINES
         return pos, best, truncated
 
