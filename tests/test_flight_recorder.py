@@ -565,3 +565,51 @@ def test_job_and_attempt_from_the_spool_path(tmp_path, embedded_store):
     assert {f["job_id"] for f in out["findings"]} == {"train-42"}
     assert ingest_flight_recorder(embedded_store, fr)["collectives"] > 0
     assert embedded_store.query("SELECT DISTINCT job_id FROM collectives").rows() == [("train-42",)]
+
+
+@pytest.mark.e2e
+def test_real_traced_job_size_mismatch_post_mortem_from_the_spool(tmp_path, embedded_store):
+    """A real traced gloo job: rank 2 passes 1000 floats where the others pass 520 at step 4. The
+    dumps the tracer wrote into the spool name the job, the shipped ledger gives the step, and the
+    rank gloo aborted for it (no dump) is a victim, not the cause."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from ranklens.collector import Shipper
+
+    spool, job_id = tmp_path / "spool", "fr-mismatch"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "4",
+           "RANKLENS_SPOOL": str(spool), "RANKLENS_JOB_ID": job_id, "OMP_NUM_THREADS": "1",
+           "FR_RANK": "2", "FR_STEP": "4"}  # fmt: skip
+    script = Path(__file__).with_name("fr_mismatch_job.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for r in range(4)
+    ]
+    logs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
+    codes = [p.returncode for p in procs]
+    aborted = [r for r, c in enumerate(codes) if c == -6]  # SIGABRT: gloo's size check
+    assert aborted and 2 not in aborted, (codes, logs)
+    assert any("Received data size doesn't match expected size" in logs[r] for r in aborted)
+    Shipper(spool, embedded_store).ship_once()
+    fr = spool / job_id / "0" / "fr"
+    assert sorted(int(p.name.split("_")[-1].split(".")[0]) for p in fr.glob("fr_trace_rank_*.json")) == sorted(
+        set(range(4)) - set(aborted)
+    )
+    r = _cli("analyze", "--flight-recorder", str(fr), "--store", embedded_store.url, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert (out["job_id"], out["attempt"], out["world_size"], out["missing_dumps"]) == (job_id, 0, 4, aborted)
+    [f] = out["findings"]
+    assert (f["kind"], [s["rank"] for s in f["suspects"]]) == ("size_mismatch", [2])
+    assert [v["rank"] for v in f["evidence"]["victims"]] == aborted
+    assert f["first_seen_step"] == f["evidence"]["step"] == 4 and f["job_id"] == job_id
+    # saved into the job's findings, where `ranklens analyze --job` shows it
+    assert embedded_store.query(f"SELECT count() FROM findings WHERE job_id = '{job_id}'").scalar() == 1
