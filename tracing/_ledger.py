@@ -126,6 +126,7 @@ class Ledger:
         self._enqueued_at_read = 0
         self.reads = 0
         self.entries = 0
+        self.recovered = 0  # overwritten entries whose wrapped calls got their seqs back
         self.poll_s = poll_s
         self._poll_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -228,10 +229,13 @@ class Ledger:
             if n is not None:
                 self._enqueued_at_read = n
             self.reads += 1
-            if lost:
-                self.t.count_drop("collectives:fr_ring_overwritten", lost)
+            before = self.recovered
             if entries or self._open:
                 self._take(entries)
+            # overwritten entries no wrapped call stood for are lost (the others were recovered)
+            unrecovered = lost - (self.recovered - before)
+            if unrecovered > 0:
+                self.t.count_drop("collectives:fr_ring_overwritten", unrecovered)
             if force:
                 self._close_claims()
         except Exception:
@@ -239,9 +243,10 @@ class Ledger:
             log.exception("ranklens: reading torch's flight-recorder ring failed")
 
     def _due(self, now: int, enqueued: int | None) -> bool:
-        for q in list(self._claims.values()):
-            if q and not q[0].done and now - q[0].t0 >= self.claim_wait_ns:
-                return True  # a call in flight for a while: number it (heartbeats, hang dumps)
+        if now - self._last_read_ns >= self.claim_wait_ns:
+            for q in list(self._claims.values()):
+                if q and not q[0].done and now - q[0].t0 >= self.claim_wait_ns:
+                    return True  # a call in flight for a while: number it (heartbeats, hang dumps)
         late = now - self._last_read_ns >= self.max_delay_ns
         if enqueued is None:
             return late
@@ -271,7 +276,7 @@ class Ledger:
                 if gap == len(orphans):  # their entries were overwritten unread: one seq each, in order
                     for i, o in enumerate(orphans):
                         self._settle(o, seq - gap + i)
-                    t.count_drop("collectives:fr_overwritten_recovered", gap)
+                    self.recovered += gap
                 else:  # coalesced calls (gap 0), or lost among other entries: counted, not guessed
                     for o in orphans:
                         self._drop_claim(o)
