@@ -22,7 +22,7 @@ from typing import Any
 
 from ranklens.analyzers.findings import Finding, finding_from_row, latest_columns, save_findings, strip_latest
 from ranklens.analyzers.job import FindingTracker, Update, analyze_job
-from ranklens.errors import StoreUnavailable
+from ranklens.errors import SchemaVersionError, StoreUnavailable
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
@@ -119,8 +119,8 @@ def wait_for_job(
     sleep: Callable[[float], None] = time.sleep,
 ) -> None:
     """Return once the store exists and holds the job (any job when ``job_id`` is None), saying
-    once what it waits for. An embedded store that does not exist yet is waited for (the collector
-    creates it); any other error is raised.
+    once what it waits for. A store that does not exist yet (an embedded directory, a server
+    database) is waited for: the collector creates it; any other error is raised.
 
     Raises:
         KeyboardInterrupt: the user stopped the wait.
@@ -130,8 +130,11 @@ def wait_for_job(
     while True:
         try:
             store = open_store()
-        except StoreUnavailable as e:
-            if "meta.json missing" not in str(e):
+        except (StoreUnavailable, SchemaVersionError) as e:
+            # not created yet (the collector creates it): an embedded directory without meta.json,
+            # a server database that does not exist or is being created (tables before the version
+            # row); anything else is an error to report
+            if not any(m in str(e) for m in ("meta.json missing", "doesn't exist", "schema version none")):
                 raise
             what, store = f"the store to be created ({e})", None
         if store is not None:

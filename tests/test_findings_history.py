@@ -184,3 +184,27 @@ def test_job_history_opened_and_closed_on_both_backends(store):
     # seen again now, but opened when an earlier pass first saved it
     assert (out["s1"]["seen_now"], out["s1"]["title"], out["s1"]["opened_ns"]) == (True, "rank 1 slower", t0)
     assert out["s1"]["closed_ns"] is None
+
+
+@pytest.mark.server
+def test_follow_waits_for_a_server_database_not_created_yet(server_store):
+    """On a ClickHouse server the store is a database: --follow waits until the collector creates it."""
+    from ranklens.store import open_store
+
+    url = server_store.url.rsplit("/", 1)[0] + f"/rl_follow_wait_{os.getpid()}"
+    proc = _follow(url, "--job", "job-synth", "--interval", "0.2")
+    out: list[str] = []
+    err: list[str] = []
+    readers = [_lines(proc.stdout, out), _lines(proc.stderr, err)]
+    created = None
+    try:
+        _until(lambda: any("waiting for the store to be created" in e for e in err), 60, "the wait message", proc)
+        created = open_store(url)  # what the collector does when it first ships
+        created.write_many(synthetic_job(slow_rank=1))
+        _until(lambda: out, 60, "a finding event", proc)
+    finally:
+        _stop(proc, readers)
+        if created is not None:
+            created.drop_database()
+            created.close()
+    assert [s["rank"] for s in json.loads(out[0])["finding"]["suspects"]] == [1]
