@@ -258,6 +258,69 @@ def test_ddp_model_is_found_at_its_first_forward(tmp_path):
     assert per == Counter({(k, ph): 1 for k in range(3) for ph in ("data", "forward", "backward", "optimizer")})
 
 
+def test_lightning_without_the_callback_gets_inferred_steps(traced, tmp_path):
+    """Lightning runs the forward and backward inside ``optimizer.step(closure)``."""
+    pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed (pip install lightning)")
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(Tiny(), _loader(8))
+    rlt.shutdown()
+    assert [(s["step"], s["source"]) for s in _rows(tmp_path, "steps")] == [(k, "inferred") for k in range(4)]
+    per = Counter((p["step"], p["phase"]) for p in _rows(tmp_path, "phases"))
+    assert per == Counter({(k, ph): 1 for k in range(4) for ph in ("data", "forward", "backward", "optimizer")}), per
+
+
+def test_hf_trainer_without_the_callback_gets_inferred_steps(traced, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    pytest.importorskip("accelerate", reason="accelerate is not installed (Trainer needs it)")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def forward(self, x, labels=None):
+            out = self.layer(x)
+            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return {"x": torch.randn(8, generator=g), "labels": torch.randn(1, generator=g)}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=3,
+        per_device_train_batch_size=8,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+    )
+    transformers.Trainer(model=Model(), args=args, train_dataset=Data()).train()
+    rlt.shutdown()
+    assert [(s["step"], s["source"]) for s in _rows(tmp_path, "steps")] == [(k, "inferred") for k in range(3)]
+    per = Counter((p["step"], p["phase"]) for p in _rows(tmp_path, "phases"))
+    for k in range(3):
+        assert per[(k, "forward")] == 1 and per[(k, "backward")] == 1 and per[(k, "optimizer")] == 1, per
+
+
 @pytest.mark.parametrize("env,installed", [({}, False), ({"RANK": "0"}, True), ({"LOCAL_RANK": "1"}, True)])
 def test_bootstrap_installs_its_hook_only_in_training_ranks(tmp_path, env, installed):
     other = tmp_path / "other"

@@ -1,7 +1,10 @@
 """Callbacks for the trainers users already have: PyTorch Lightning and Hugging Face Transformers.
 
 Both only mark steps and phases on the active tracer (:func:`ranklens.tracing.init` must have run;
-collectives are traced by init itself). They are built lazily, so importing ranklens.tracing never
+collectives are traced by init itself). Their steps are the trainer's own (``global_step``), stored
+with ``source = 'explicit'``, and the first one turns the tracer's step inference off. Without a
+callback, steps and phases of both trainers are inferred from their optimizer steps (``source =
+'inferred'``, counted from 0). They are built lazily, so importing ranklens.tracing never
 imports Lightning or Transformers::
 
     trainer = lightning.Trainer(callbacks=[ranklens.tracing.integrations.lightning_callback()])
