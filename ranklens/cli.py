@@ -554,7 +554,9 @@ def _print_fr_report(
         click.echo(
             f"  {g.pg.desc or g.pg.name} (pg {g.pg.name}, ranks {ranks(g.pg.members)}): {g.op} #{g.seq} "
             f"{[list(x) for x in g.input_sizes]}: entered {ranks(g.entered)}; in flight {ranks(g.in_flight)}; "
-            f"ended {ranks(g.completed)}; never entered {ranks(g.missing)}; no dump {ranks(g.no_dump)}"
+            f"ended {ranks(g.completed)}; never entered {ranks(g.missing)}; "
+            f"no dump {ranks(r for r in g.no_dump if r not in known)}"
+            + (f"; dump unreadable {ranks(r for r in g.no_dump if r in known)}" if known & set(g.no_dump) else "")
         )
     if not findings:
         click.echo("\nNo findings: every process group is consistent and nothing is pending.")

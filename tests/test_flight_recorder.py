@@ -529,6 +529,9 @@ def test_one_truncated_dump_is_reported_and_the_others_analysed(tmp_path, damage
     assert [s["rank"] for s in out["findings"][0]["suspects"]] == [culprit]
     assert out["unreadable_dumps"][0]["path"] == str(bad)
     assert "could not be read (the others were analysed" in r.stderr and str(bad) in r.stderr
+    text = _cli("analyze", "--flight-recorder", str(fr)).stdout
+    assert f"unreadable dump of rank {damaged}: {bad}" in text and f"dump unreadable {damaged}" in text
+    assert "no dump from ranks: -" in text  # it is not taken for a rank that left no dump
 
 
 def test_deeply_nested_json_dump_is_bad_input_exit_6_and_the_others_are_analysed(tmp_path):
