@@ -193,6 +193,15 @@ BUILTIN_RULES: tuple[Rule, ...] = (
     _r("nvrm_gpu_serial", "gpu_xid", r"GPU Board Serial Number", "warning", 90),
     _r("nvrm_probe", "gpu_xid", r"NVRM: The NVIDIA (?:GPU|probe routine)", "error", 90),
     _r("nvrm_error", "gpu_xid", r"NVRM: .*(?:[Ee]rror|[Ff]ail|[Tt]imeout|needs to be reset)", "error", 89),
+    # the probe-failure block: no usable BAR, a BIOS misconfiguration, an unsupported GPU, no device
+    _r(
+        "nvrm_probe_failure",
+        "gpu_xid",
+        r"NVRM: .*(?:is invalid|misconfigured|is not supported by|None of the NVIDIA devices|No NVIDIA)|"
+        r"NVRM: BAR[0-9] is 0M|nvidia: probe of [0-9a-f:.]+ failed",
+        "error",
+        89,
+    ),
     _r(
         "pcie_aer",
         "gpu_xid",
@@ -354,6 +363,15 @@ BUILTIN_RULES: tuple[Rule, ...] = (
         "error",
         60,
     ),
+    # a socket failure that NCCL itself logged (even at INFO, e.g. its connect retries) is NCCL's
+    _r(
+        "nccl_socket",
+        "nccl_error",
+        r"NCCL INFO .*(?:Connection (?:refused|reset|closed|timed out)|No route to host|Network is unreachable|"
+        r"Broken pipe)",
+        "error",
+        60,
+    ),
     # the NCCL return-code trail "file.cc:123 -> 2": any non-zero result of an NCCL call site
     _r("nccl_retcode", "nccl_error", r"[A-Za-z0-9_]\.(?:cc|cu|h|hpp|cpp|c):[0-9]+ -> [1-9]", "error", 60),
     # --- host networking / c10d store (above the elastic rules: a store timeout names its cause) ---
@@ -394,12 +412,14 @@ BUILTIN_RULES: tuple[Rule, ...] = (
         "warning",
         55,
     ),
+    # above c10d_store: "failed to send a keep-alive heartbeat ... of type RendezvousConnectionError"
+    # is the agent losing the rendezvous (rank_failure), whatever error it names
     _r(
         "elastic_heartbeat",
         "rank_failure",
         r"(?:fail|error).*keep-?alive heartbeat|keep-?alive heartbeat.*(?:fail|error)",
         "error",
-        55,
+        58,
         ci=True,
     ),
     _r(

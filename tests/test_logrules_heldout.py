@@ -186,3 +186,32 @@ def test_same_class_trailers_still_join_and_chunking_does_not_change_events():
     parts.feed(b"", eof=True)
     key = [(e.klass, e.line_no, e.line_count, e.message) for e in whole.flush()]
     assert [(e.klass, e.line_no, e.line_count, e.message) for e in parts.flush()] == key
+
+
+@pytest.mark.parametrize(
+    ("line", "klass"),
+    [
+        # the agent losing its rendezvous is a rank failure, whatever store error it names
+        (
+            "[2025-01-09 17:20:31,000] torch.distributed.elastic.rendezvous.dynamic_rendezvous: [WARNING] The node "
+            "'gpu-3_811_0' has failed to send a keep-alive heartbeat to the rendezvous 'job7' due to an error of type "
+            "RendezvousConnectionError.",
+            "rank_failure",
+        ),
+        (
+            "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store has "
+            "failed. See inner exception for details.",
+            "network",
+        ),
+        # a socket failure NCCL logged is NCCL's; the same words from c10d are the host network's
+        ("gpu-3:811:902 [1] NCCL INFO Call to connect returned Connection refused, retrying", "nccl_error"),
+        ("[W socket.cpp:601] [c10d] The client socket has failed to connect to [gpu-1]:29500 (errno: 111).", "network"),
+        ("NVRM: This PCI I/O region assigned to your NVIDIA device is invalid:", "gpu_xid"),
+        ("nvidia: probe of 0000:0b:00.0 failed with error -1", "gpu_xid"),
+        ("NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15  Thu Feb 22 01:44:30 UTC 2024", None),
+        ("gpu-3:811:811 [1] NCCL INFO NET/Plugin: Failed to find ncclCollNetPlugin_v8 symbol.", None),
+    ],
+)
+def test_borderline_lines_take_the_documented_class(line, klass):
+    r = LogFilter().classify_line(line)
+    assert (r.klass if r else None) == klass
