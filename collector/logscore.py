@@ -49,10 +49,13 @@ def predict_lines(lines: Sequence[str], lf: LogFilter | None = None) -> list[str
     """The class the filter gives each line when they are read as one stream (``noise``: none)."""
     lf = lf or LogFilter()
     sf = lf.stream()
-    sf.feed("".join(line + "\n" for line in lines).encode(), now_ns=1)
+    events = []
+    for line in lines:  # flushed line by line: a repeat is scored where it occurs, not collapsed
+        sf.feed((line + "\n").encode(), now_ns=1)
+        events += sf.flush()
     sf.feed(b"", now_ns=1, eof=True)
     pred = [NOISE] * len(lines)
-    for ev in sf.flush():
+    for ev in events + sf.flush():
         for i in range(ev.line_no - 1, min(ev.line_no - 1 + ev.line_count, len(lines))):
             pred[i] = ev.klass
     return pred
