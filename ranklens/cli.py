@@ -776,11 +776,13 @@ def _open_for_agent(store_url: str | None) -> Any:
     from ranklens.store import LazyStore, default_store_url
 
     url = store_url or default_store_url()
+    from ranklens.errors import StoreAuthError
+
     try:
         return _open(url)
     except StoreUnavailableError as e:
-        if not url.startswith(("clickhouse://", "clickhouses://")):
-            raise
+        if isinstance(e, StoreAuthError) or not url.startswith(("clickhouse://", "clickhouses://")):
+            raise  # refused credentials will not get better by waiting
         click.echo(f"ranklens collector: {e}; collecting into the spool, connecting when it is up", err=True)
         return LazyStore(url)
 

@@ -141,6 +141,15 @@ def test_wrong_password_is_exit_4_on_one_line_without_the_server_stack():
         assert "not a ranklens store" not in r.stderr
 
 
+@pytest.mark.server
+def test_collector_with_refused_credentials_stops_at_once(tmp_path):
+    """A server that is down is waited for (LazyStore); refused credentials will not get better."""
+    _need_server()
+    base = SERVER_BASE.replace("clickhouse://default@", "clickhouse://default:wrong-password-77@")
+    r = ranklens("collector", "--store", f"{base.rstrip('/')}/ranklens_wrongpw", "--spool", str(tmp_path), timeout=60)
+    assert r.returncode == 4 and "refused the credentials" in r.stderr, r.stderr
+
+
 def test_wrong_password_on_a_password_server_is_exit_4(password_server):
     r = ranklens("sql", "--store", f"clickhouse://rl:not-it@127.0.0.1:{password_server}/x", "SELECT 1")
     assert r.returncode == 4 and len(r.stderr.strip().splitlines()) == 1 and "Stack trace" not in r.stderr
