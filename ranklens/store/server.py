@@ -330,6 +330,7 @@ class ServerStore:
         for host, port in shards:  # one replica per shard: replication carries the mutation to the others
             client = self._new_client(str(host), int(port))
             try:
+                self._connect(client)  # a shard that accepts and never answers: connect_timeout, not 300 s
 
                 def run(sql: str, _c: Any = client) -> Any:
                     return _c.execute(sql)
