@@ -199,24 +199,46 @@ def test_no_optimizer_is_said_once_and_steps_stay_unknown(tmp_path, caplog):
     assert _rows(tmp_path, "steps") == []
 
 
-def test_a_long_loop_without_optimizer_gives_up_early_and_unstamps_collectives(tmp_path):
+def test_a_loop_without_optimizer_never_stamps_a_step_and_gives_up_early(tmp_path):
     t = Tracer(job_id="j", attempt=0, rank=0, world_size=1, spool_dir=str(tmp_path), flush_interval_s=60)
     said: list[str] = []
-    auto = AutoStep(t, give_up_after=3, say=said.append).install()
+    auto = AutoStep(t, give_up_without_optimizer=3, say=said.append).install()
     t.autostep = auto
     orig_backward = auto._orig_backward
     model = _model()
     try:
         for _ in range(6):
             model(torch.randn(2, 8)).sum().backward()
+            assert t._step == -1  # collectives issued here carry no step, not a made-up step 0
         assert said == [NO_STEPS_MESSAGE] and not auto.steps_on
-        assert t._step == -1  # collectives from now on: step unknown, not a fake step 0
         assert torch.autograd.backward is orig_backward
         assert not torch.nn.modules.module._global_forward_pre_hooks
     finally:
         auto.close()
         t.shutdown()
     assert said == [NO_STEPS_MESSAGE]  # once
+    assert _rows(tmp_path, "steps") == [] and _rows(tmp_path, "phases") == []
+
+
+def test_an_optimizer_that_never_steps_is_said_with_what_was_stamped(tmp_path):
+    t = Tracer(job_id="j", attempt=0, rank=0, world_size=1, spool_dir=str(tmp_path), flush_interval_s=60)
+    said: list[str] = []
+    auto = AutoStep(t, give_up_after=4, say=said.append).install()
+    t.autostep = auto
+    model = _model()
+    torch.optim.SGD(model.parameters(), lr=0.1)  # created, never stepped: step 0 opens at the forward
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+        assert t._step == 0
+        for _ in range(4):
+            model(torch.randn(2, 8)).sum().backward()
+        assert t._step == -1 and not auto.steps_on
+    finally:
+        auto.close()
+        t.shutdown()
+    (msg,) = said
+    assert "never stepped in 5 training forward passes" in msg and "carry step 0" in msg
+    assert _rows(tmp_path, "steps") == []
 
 
 def test_hooks_are_removed_at_shutdown(tmp_path):

@@ -28,8 +28,12 @@ PyTorch tells us enough to infer them, with no user code:
 Explicit markers win: the first ``rlt.step`` (or a trainer callback's) turns inference off for
 good, and no inferred row of the step in progress is written; the first ``rlt.phase`` stops phase
 inference (steps are still inferred). Every inferred step row carries ``source = 'inferred'``.
-Where nothing can be inferred (no optimizer step: no torch.optim optimizer, or a custom update
-loop) the tracer says so once, in one log line, and collectives keep ``step = -1``.
+Step 0 opens at the first training forward once a torch.optim optimizer exists (their
+construction is counted), else at the first optimizer step, so a loop without optimizer never
+stamps its collectives with a made-up step. Where nothing can be inferred (no optimizer step: no
+torch.optim optimizer, or a custom update loop) the tracer says so once, in one log line (rank 0),
+after 20 training forwards with no optimizer or at exit, and collectives keep ``step = -1`` (the
+analyzers then work from the arrival ledger alone).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = ["NO_STEPS_MESSAGE", "AutoStep"]
 log = logging.getLogger("ranklens.tracing")
 
 GIVE_UP_AFTER_FORWARDS = 200  # training forwards without any optimizer step: not an optimizer loop
+GIVE_UP_WITHOUT_OPTIMIZER = 20  # ... when no optimizer was even created
 MAX_ROOTS = 8
 
 NO_STEPS_MESSAGE = (
@@ -51,6 +56,13 @@ NO_STEPS_MESSAGE = (
     "steps and phases cannot be inferred, collectives keep step -1 and analysis works from the arrival "
     "ledger alone; mark steps with ranklens.tracing.step(n) (and phases with ranklens.tracing.phase) "
     "for per-step analysis"
+)
+# an optimizer was created, so step 0 was opened at the first forward, but it never stepped
+STAMPED_MESSAGE = (
+    "ranklens: an optimizer was created but never stepped in {forwards} training forward passes (a custom "
+    "update loop?): steps and phases cannot be inferred; collectives issued until now carry step 0, from now "
+    "on step -1; mark steps with ranklens.tracing.step(n) (and phases with ranklens.tracing.phase) for "
+    "per-step analysis"
 )
 
 
@@ -61,11 +73,21 @@ class AutoStep:
     Args:
         tracer: the rank's :class:`~ranklens.tracing.tracer.Tracer` (rows go through ``add``).
         give_up_after: training forwards without an optimizer step after which inference stops.
+        give_up_without_optimizer: the same while no optimizer was even created. Step 0 opens at
+            the first training forward only once an optimizer exists (else at its first
+            ``step()``), so a loop without optimizer never stamps collectives with a step.
         say: where the one "nothing can be inferred" line goes (default: the tracing logger, on
             rank 0 only).
     """
 
-    def __init__(self, tracer: Any, *, give_up_after: int = GIVE_UP_AFTER_FORWARDS, say: Any = None) -> None:
+    def __init__(
+        self,
+        tracer: Any,
+        *,
+        give_up_after: int = GIVE_UP_AFTER_FORWARDS,
+        give_up_without_optimizer: int = GIVE_UP_WITHOUT_OPTIMIZER,
+        say: Any = None,
+    ) -> None:
         self.t = tracer
         self.clock = tracer.clock
         self.steps_on = True
@@ -76,6 +98,8 @@ class AutoStep:
         self.said_none = False
         self.roots: list[Any] | None = None  # the model's outermost modules, None while discovering
         self._give_up_after = give_up_after
+        self._give_up_without = give_up_without_optimizer
+        self.optimizers_created = 0  # torch.optim optimizers constructed since install
         self._say = say
         self._start = 0  # earliest phase start of the open step (0 none yet)
         self._opened = 0
@@ -100,6 +124,7 @@ class AutoStep:
         self._global: list[Any] = []
         self._orig_backward: Any = None
         self._backward: Any = None
+        self._optim_init: tuple[Any, Any, Any] | None = None
 
     # -- installation -----------------------------------------------------------------------
     def install(self) -> AutoStep:
@@ -108,6 +133,16 @@ class AutoStep:
         from torch.optim import optimizer as optim
 
         self._torch = torch
+        orig_init = optim.Optimizer.__init__
+
+        @functools.wraps(orig_init)
+        def __init__(opt: Any, *args: Any, **kwargs: Any) -> None:
+            orig_init(opt, *args, **kwargs)
+            self.optimizers_created += 1
+
+        __init__.__ranklens_wrapped__ = orig_init  # type: ignore[attr-defined]
+        self._optim_init = (optim.Optimizer, orig_init, __init__)
+        optim.Optimizer.__init__ = __init__
         self._handles.append(optim.register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(optim.register_optimizer_step_post_hook(self._opt_post))
         self._global.append(nn_module.register_module_forward_pre_hook(self._gpre))
@@ -147,6 +182,11 @@ class AutoStep:
         if torch is not None and self._backward is not None and torch.autograd.backward is self._backward:
             torch.autograd.backward = self._orig_backward
         self._backward = None
+        if self._optim_init is not None:
+            cls, orig_init, ours = self._optim_init
+            if cls.__init__ is ours:
+                cls.__init__ = orig_init
+            self._optim_init = None
 
     def _drop_global(self) -> None:
         for h in self._global:
@@ -195,15 +235,19 @@ class AutoStep:
         if self.said_none:
             return
         self.said_none = True
+        if self.step < 0:
+            msg = NO_STEPS_MESSAGE
+        else:
+            msg = STAMPED_MESSAGE.format(forwards=self._forwards_without_opt)
         if self._say is not None:
-            self._say(NO_STEPS_MESSAGE)
+            self._say(msg)
         elif self.t.rank == 0:
-            log.warning(NO_STEPS_MESSAGE)
+            log.warning(msg)
 
     def _give_up(self) -> None:
         self.steps_on = self.phases_on = False
         self.uninstall()
-        if self.t._step == self.step:
+        if self.step >= 0 and self.t._step == self.step:
             self.t._step = -1
         self._say_none()
 
@@ -244,12 +288,12 @@ class AutoStep:
         if self._opt_end:
             self._close_step()
             self._open(now)
-        elif self.step < 0:
+        elif self.step < 0 and self.optimizers_created:
             self._open(now)
 
     def _phase(self, name: str, start: int, end: int, *, always: bool = False) -> None:
-        if not (self.phases_on or always):
-            return
+        if not (self.phases_on or always) or self.step < 0:
+            return  # before step 0 (no optimizer yet): nothing to attribute it to
         t = self.t
         if self._start == 0 or start < self._start:
             self._start = start
@@ -307,7 +351,8 @@ class AutoStep:
         self._activity(now)
         if self.optimizer_steps == 0:
             self._forwards_without_opt += 1
-            if self._forwards_without_opt > self._give_up_after:
+            limit = self._give_up_after if self.optimizers_created else self._give_up_without
+            if self._forwards_without_opt > limit:
                 self._give_up()
                 return
         p, self._pending_data = self._pending_data, None
