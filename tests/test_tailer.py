@@ -328,6 +328,11 @@ def _vm_kb(pid: int, key: str) -> int:
     raise AssertionError(f"no {key} in /proc/{pid}/status")
 
 
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 # The collector's own peak RSS (Python, pyarrow, the store client) is ~100-170 MB here; before the
 # fix a 200 MB line took it past 900 MB (300 MB: 1.38 GB). Flat memory means the line adds only the
 # read buffer (a few MiB) and the 1 MiB head it keeps.
@@ -395,7 +400,7 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
 
     try:
         wait_for(lambda: OOM + " ready" in messages(), "the collector to store a first line")
-        base_kb = _vm_kb(proc.pid, "VmHWM")
+        base_kb, cpu0 = _vm_kb(proc.pid, "VmHWM"), _cpu_s(proc.pid)
         t0 = time.monotonic()
         # an error line and, right after it, a long line without a newline (still unfinished)
         _append(p, ERR + " before")
@@ -406,7 +411,7 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
         _append(p, "", ERR + " after")  # the newline that ends it, then a line
         wait_for(lambda: ERR + " after" in messages(), "the line after the long one to be stored")
         took = time.monotonic() - t0
-        peak_kb = _vm_kb(proc.pid, "VmHWM")
+        peak_kb, cpu = _vm_kb(proc.pid, "VmHWM"), _cpu_s(proc.pid) - cpu0
         msgs = messages()
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
@@ -416,7 +421,7 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
     print(
         f"{backend}: collector peak RSS {base_kb // 1024} MB before the {n >> 20} MB line, {peak_kb // 1024} MB "
         f"after; {wrote_s:.1f} s to write it; the error line before it stored {before_s:.1f} s after it was "
-        f"written (the long line unfinished), the line after it {took:.1f} s"
+        f"written (the long line unfinished), the line after it {took:.1f} s; collector CPU {cpu:.1f} s"
     )
     assert peak_kb < COLLECTOR_PEAK_RSS_MB * 1024, f"collector peak RSS {peak_kb // 1024} MB"
     # nothing waits on the unfinished line (before the fix: 51 s here for 200 MB, never for 2 GiB)
