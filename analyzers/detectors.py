@@ -91,6 +91,8 @@ class PersistentBlameDetector:
 
 
 LEVEL_TRIM = 0.5  # hot steps at the ends of a run below this share of the run's median level are left out
+RESOLVED_AFTER_STEPS = 5  # a run that ended this many steps before the last one is over (resolved)...
+MIN_RESOLVED_HOT = 8  # ...and is a straggler only when it lasted at least this many hot steps
 
 
 def _persistent_run(
@@ -121,21 +123,33 @@ def _persistent_run(
     n_hot = int(hot[a : b + 1].sum())
     if n_hot < min_hot or n_hot < persistence * (b - a + 1):
         return None
+    if level is not None:
+        n = len(hot)
+        rest = lv[b + 1 :]
+        if len(rest) and float(rest.mean()) >= LEVEL_TRIM * float(np.median(lv[a : b + 1][hot[a : b + 1]])):
+            b = n - 1  # still at its level to the end, a few steps lost in noise: it has not stopped
+        if b < n - RESOLVED_AFTER_STEPS and n_hot < MIN_RESOLVED_HOT:
+            # it started and stopped within a few steps: a transient (a rank starved of CPU by a busy
+            # host for half a second, a GC pause), not a straggler; a live pass saw it while it lasted
+            return None
     return a, b, n_hot
 
 
 def _change_point(x: np.ndarray, lo: int, hi: int) -> int:
     """The onset in ``[lo, hi]``: where a two-level fit of ``x`` (one level before, one from the
-    onset on) has the least squared error. A rank that was a little late by noise before a real
-    slowdown does not pull the onset early, as a first hot step would."""
+    onset on; medians, absolute deviations, so one outlier step cannot move it) fits best. A rank
+    that was a little late by noise before a real slowdown does not pull the onset early, as a
+    first hot step would."""
     if hi <= lo:
         return lo
     best, best_c = np.inf, lo
     for c in range(lo, hi + 1):
         pre, post = x[:c], x[c:]
-        sse = float(((post - post.mean()) ** 2).sum()) + (float(((pre - pre.mean()) ** 2).sum()) if len(pre) else 0.0)
-        if sse < best - 1e-15:
-            best, best_c = sse, c
+        cost = float(np.abs(post - np.median(post)).sum()) + (
+            float(np.abs(pre - np.median(pre)).sum()) if len(pre) else 0.0
+        )
+        if cost < best - 1e-15:
+            best, best_c = cost, c
     return best_c
 
 
@@ -241,7 +255,10 @@ class PeerComputeDetector:
                     others = np.delete(excess, k, axis=0)
                     pooled[k, 0] = float(np.nanmedian(np.abs(others))) * 1.4826 if np.isfinite(others).any() else 0.0
             floor = np.maximum(self.min_excess_ratio * med, self.min_excess_s)
-            threshold = np.maximum(np.maximum(floor, self.z * mad), self.pooled_z * np.nan_to_num(pooled))
+            # the spread of three peers at one step is noise itself (on a busy host it is often
+            # larger than a real slowdown): small groups rely on the pooled noise alone
+            spread = np.zeros_like(mad) if len(idx) < LEAVE_ONE_OUT_BELOW else self.z * mad
+            threshold = np.maximum(np.maximum(floor, spread), self.pooled_z * np.nan_to_num(pooled))
             hot_all = np.nan_to_num(excess, nan=-1.0) >= threshold
             for k, i in enumerate(idx):
                 seg = _persistent_run(hot_all[k], self.persistence, self.min_hot_steps, excess[k])

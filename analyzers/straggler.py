@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ranklens.analyzers import detectors
 from ranklens.analyzers.blame import BlameMatrix, compute_blame
 from ranklens.analyzers.compute import ComputeMatrix, compute_matrix, phase_excess
 from ranklens.analyzers.detectors import (
@@ -27,7 +28,8 @@ from ranklens.store.api import Store
 __all__ = ["find_stragglers", "to_finding"]
 
 CRITICAL_PCT = 20.0
-RESOLVED_AFTER_STEPS = 5  # a finding closes when the rank stopped being hot this many steps ago
+# a finding closes when the rank stopped being hot this many steps ago
+RESOLVED_AFTER_STEPS = detectors.RESOLVED_AFTER_STEPS
 
 
 def to_finding(blame: BlameMatrix, d: Detection, detector: StragglerDetector) -> Finding:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.zero_code_helpers import matrix, run_case
+from tests.zero_code_helpers import Case, matrix, run_case
 
 pytestmark = pytest.mark.e2e
 CASES = matrix()
@@ -29,3 +29,29 @@ def test_zero_code_accuracy(tmp_path, case, loaded):
     assert abs(o.onset_error) <= 1, titles
     if o.report["coverage"]["phases"]:  # the tracer inferred phases: the finding names the right one
         assert o.phase_named == case.phase, (titles, o.stragglers[0]["evidence"].get("phase_excess_s"))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("noopt-forward-200ms", slow_rank=1, phase="forward", slow_s=0.2, optimizer=False),
+        Case("noopt-healthy", optimizer=False),
+    ],
+    ids=lambda c: c.name,
+)
+def test_no_optimizer_no_steps_ledger_alone(tmp_path, case):
+    """A custom update loop: no step can be inferred, every collective is at step -1. The ledger
+    alone names the slowed rank, the onset is an iteration counted from the collectives, and the
+    report says what it could not see."""
+    o = run_case(case, tmp_path)
+    cov = o.report["coverage"]
+    assert o.report["step_source"] == "none" and cov["degraded"], cov
+    assert any("no step markers" in n for n in cov["notes"]), cov["notes"]
+    titles = [f["title"] for f in o.stragglers]
+    if case.slow_rank is None:
+        assert o.stragglers == [], titles
+        return
+    assert o.named_ranks == {case.slow_rank} and len(o.stragglers) == 1, titles
+    (f,) = o.stragglers
+    assert f["evidence"]["step_basis"] == "iterations", titles
+    assert abs(o.onset_error) <= 1, titles

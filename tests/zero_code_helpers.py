@@ -30,6 +30,7 @@ class Case:
     slow_s: float = 0.0
     slow_from: int = 6
     steps: int = 16
+    optimizer: bool = True  # False: a custom update loop, no step can be inferred (step_source "none")
 
 
 @dataclass
@@ -72,6 +73,7 @@ def run_case(case: Case, workdir: Path, *, loaded: bool = False, timeout_s: floa
         "ZC_SLOW_PHASE": case.phase,
         "ZC_SLOW_S": str(case.slow_s),
         "ZC_SLOW_FROM": str(case.slow_from),
+        "ZC_NO_OPTIMIZER": "0" if case.optimizer else "1",
     }
     env.pop("RANKLENS_JOB_ID", None)
     env.pop("RANKLENS_STORE", None)

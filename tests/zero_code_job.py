@@ -10,6 +10,9 @@ iteration ``ZC_SLOW_FROM`` (0-based) on, in the phase ``ZC_SLOW_PHASE``:
   all-reduce of that rank is late);
 - ``data``: inside the DataLoader's collate function (the main process: ``num_workers=0``).
 
+With ``ZC_NO_OPTIMIZER=1`` the update is a hand-written SGD loop (no torch.optim): nothing tells
+the tracer where a step ends, and the analysis works from the arrival ledger alone.
+
 Every rank also computes ~``ZC_BASE_S`` per step (real matmuls, so a busy CPU slows it like a real job).
 """
 
@@ -90,14 +93,21 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = DDP(Model(), bucket_cap_mb=0.1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # ZC_NO_OPTIMIZER=1: a custom update loop (no torch.optim), so no step can be inferred
+    opt = None if os.environ.get("ZC_NO_OPTIMIZER") == "1" else torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(Data(), batch_size=BATCH, collate_fn=Collate(), num_workers=0)
     for it, (x, y) in enumerate(loader):
         SlowBackward.it = it
         loss = (model(x) - y).pow(2).mean()
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        else:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
     dist.barrier()
     dist.destroy_process_group()
 
