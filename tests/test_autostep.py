@@ -254,19 +254,29 @@ def test_hooks_are_removed_at_shutdown(tmp_path):
     assert not torch.nn.modules.module._global_forward_hooks
 
 
-def test_ddp_model_is_found_at_its_first_forward(tmp_path):
-    """A real (one-rank gloo) DDP model: the global module hooks go at its first forward and only
-    the model's own hooks stay; steps and phases as for a plain model."""
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_data_parallel_model_is_found_at_its_first_forward(tmp_path, wrapper):
+    """A real (one-rank gloo) DDP or FSDP2 (``fully_shard``) model: the global module hooks go at its
+    first forward and only the model's own hooks stay; steps and phases as for a plain model; a
+    profiler window every 3 inferred steps."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        t = rlt.init(job_id="ddp", spool_dir=str(tmp_path), patch_distributed=False)
-        model = DDP(_model())
+        t = rlt.init(job_id="dp", spool_dir=str(tmp_path), patch_distributed=False, profile_every=3)
+        if wrapper == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            model = DDP(_model())
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            model = _model()
+            fully_shard(model[0])
+            fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         assert torch.nn.modules.module._global_forward_pre_hooks
-        for x, y in _loader(3):
+        for x, y in _loader(4):
             (model(x) - y).pow(2).mean().backward()
             opt.step()
         assert t.autostep.roots == [model]
@@ -275,9 +285,13 @@ def test_ddp_model_is_found_at_its_first_forward(tmp_path):
     finally:
         rlt.shutdown()
         dist.destroy_process_group()
-    assert [s["step"] for s in _rows(tmp_path, "steps")] == [0, 1, 2]
+    assert [s["step"] for s in _rows(tmp_path, "steps")] == [0, 1, 2, 3]
     per = Counter((p["step"], p["phase"]) for p in _rows(tmp_path, "phases"))
-    assert per == Counter({(k, ph): 1 for k in range(3) for ph in ("data", "forward", "backward", "optimizer")})
+    assert per == Counter({(k, ph): 1 for k in range(4) for ph in ("data", "forward", "backward", "optimizer")})
+    assert sorted(p.name for p in tmp_path.rglob("kineto/*.json")) == [
+        "rank0-step0.pt.trace.json",
+        "rank0-step3.pt.trace.json",
+    ]
 
 
 def test_lightning_without_the_callback_gets_inferred_steps(traced, tmp_path):
