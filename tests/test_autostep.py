@@ -357,8 +357,16 @@ def test_hf_trainer_without_the_callback_gets_inferred_steps(traced, tmp_path):
         assert per[(k, "forward")] == 1 and per[(k, "backward")] == 1 and per[(k, "optimizer")] == 1, per
 
 
-@pytest.mark.parametrize("env,installed", [({}, False), ({"RANK": "0"}, True), ({"LOCAL_RANK": "1"}, True)])
-def test_bootstrap_installs_its_hook_only_in_training_ranks(tmp_path, env, installed):
+@pytest.mark.parametrize(
+    "env,argv,installed",
+    [
+        ({}, [], False),
+        ({"RANK": "0"}, [], True),
+        ({"LOCAL_RANK": "1"}, [], True),
+        ({}, ["--multiprocessing-fork"], True),  # a torch.multiprocessing.spawn rank
+    ],
+)
+def test_bootstrap_installs_its_hook_only_in_training_ranks(tmp_path, env, argv, installed):
     other = tmp_path / "other"
     other.mkdir()
     (other / "sitecustomize.py").write_text("import os; os.environ['SHADOWED_RAN'] = '1'\n")
@@ -370,7 +378,7 @@ def test_bootstrap_installs_its_hook_only_in_training_ranks(tmp_path, env, insta
         "print(os.environ.get('SHADOWED_RAN'), any(type(f).__name__ == '_Finder' for f in sys.meta_path))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, *argv],
         capture_output=True,
         text=True,
         env={**base, **env, "PYTHONPATH": os.pathsep.join([BOOTSTRAP_DIR, str(other)])},

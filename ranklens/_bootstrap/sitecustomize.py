@@ -4,8 +4,9 @@ It imports nothing heavy. It installs an import hook that waits for
 ``torch.distributed.distributed_c10d`` to be imported and then wraps ``init_process_group`` so that
 ``ranklens.tracing.init()`` runs right after the process group exists. The hook is installed only
 in training ranks (``RANK`` or ``LOCAL_RANK`` set, as torchrun, torch elastic, Slurm wrappers and
-Kubernetes operators do), so every other Python process under ``ranklens run`` (the torchrun
-launcher, pip, a compiler's worker pool, ...) is left alone. It then runs the ``sitecustomize``
+Kubernetes operators do; or a multiprocessing spawn child, as ``torch.multiprocessing.spawn``
+ranks are), so every other Python process under ``ranklens run`` (the torchrun launcher, pip, a
+compiler's worker pool, ...) is left alone. It then runs the ``sitecustomize``
 module it shadows, if there is one, in every process. ``RANKLENS_DISABLE=1`` turns it off.
 """
 
@@ -80,7 +81,9 @@ def _chain_shadowed_sitecustomize():
 
 
 def _is_training_rank() -> bool:
-    return bool(os.environ.get("RANK") or os.environ.get("LOCAL_RANK"))
+    # torchrun / torch elastic / launchers set RANK or LOCAL_RANK; the ranks that
+    # torch.multiprocessing.spawn starts have neither, but are multiprocessing spawn children
+    return bool(os.environ.get("RANK") or os.environ.get("LOCAL_RANK")) or "--multiprocessing-fork" in sys.argv
 
 
 if os.environ.get("RANKLENS_DISABLE", "").lower() not in ("1", "true", "yes") and _is_training_rank():
