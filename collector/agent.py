@@ -376,6 +376,8 @@ class Agent:
         if self.sampler is not None:
             self._spawn("gpu", self._gpu_loop)
         self._spawn("ship", self._ship_loop)
+        if self.config.budget.max_bytes or self.config.budget.min_free_bytes:
+            self._spawn("budget", self._budget_loop)
 
     def _spawn(self, name: str, target: Callable[[threading.Event], None]) -> None:
         stop = threading.Event()
@@ -479,7 +481,6 @@ class Agent:
         self.metrics.ship_lag.set(max(0.0, time.time() - oldest) if oldest is not None else 0.0)
 
     def _ship_loop(self, stop: threading.Event) -> None:
-        tick = min(self.config.ship_interval_s, self.config.spool_check_interval_s)
         while True:
             stopping = stop.is_set()
             try:
@@ -494,14 +495,15 @@ class Agent:
                     log.exception("ranklens collector: liveness check failed")
             if stopping:
                 return
-            # while the store fails, passes back off (up to a minute); the disk budget is checked
-            # every tick meanwhile, so it holds as data arrives (issue 22 #6)
-            next_pass = time.monotonic() + self._ship_delay()
-            while not stop.wait(max(0.0, min(tick, next_pass - time.monotonic()))):
-                if time.monotonic() >= next_pass:
-                    break
-                if self.shipper.failures:
-                    self._check_budget()
+            stop.wait(self._ship_delay())
+
+    def _budget_loop(self, stop: threading.Event) -> None:
+        """While the store fails, passes back off (up to a minute) and one may take long (a server
+        that does not answer); the disk budget is held meanwhile, every ``spool_check_interval_s``,
+        so it holds as data arrives (issue 22 #6)."""
+        while not stop.wait(self.config.spool_check_interval_s):
+            if self.shipper.failures:
+                self._check_budget()
 
     def _check_budget(self) -> None:
         try:

@@ -47,6 +47,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -223,9 +224,14 @@ class Shipper:
         self.tracer = tracer  # OpenTelemetry tracer of the shipping loop (None: not traced)
         self.totals: dict[str, int] = {}
         self._observed: set[str] = set()  # segments already shown to on_segment
-        self._journaled: set[str] = set()
+        self._journaled: set[str] | None = set()  # what the journal on disk says (None: rewrite it)
         self.in_doubt: set[str] = self._load_journal()
         self._last_budget_check = -1e18
+        # the budget may be held from another thread while a pass runs (Agent's budget loop):
+        # it never evicts what the pass holds in memory
+        self._budget_lock = threading.RLock()
+        self._inflight: set[str] = set()
+        self._in_pass = False
         self.spool_bytes = 0  # measured by the last budget check (and zeroed when a pass drains the spool)
         self.spool_segments = 0
         self.spool_oldest: float | None = None  # mtime of the oldest file waiting
@@ -285,11 +291,14 @@ class Shipper:
     def _load_journal(self, *, quiet: bool = False) -> set[str]:
         """What the spool's journal says is in doubt (and what journals of older releases say)."""
         doubt: set[str] = set()
+        readable = True
         for path in (self.journal_path, *self._legacy_journals):
-            doubt |= self._read_journal(path)
+            got = self._read_journal(path)
+            readable &= got is not None
+            doubt |= got if got is not None else {self._rel(p) for p in self._walk()}
         # the journal lists each pass's segments; those since shipped and deleted are not in doubt
         doubt = {s for s in doubt if (self.spool_dir / s).exists()}
-        self._journaled = set() if self._legacy_present() else set(doubt)
+        self._journaled = set(doubt) if readable and not self._legacy_present() else None
         if doubt and not quiet:
             log.info(
                 "ranklens collector: %d segment(s) in doubt from the last run; the store is asked first", len(doubt)
@@ -299,18 +308,19 @@ class Shipper:
     def _legacy_present(self) -> bool:
         return any(p.exists() for p in self._legacy_journals if p != self.journal_path)
 
-    def _read_journal(self, path: Path) -> set[str]:
+    def _read_journal(self, path: Path) -> set[str] | None:
+        """The segments a journal names; None when it is unreadable (then everything pending is in
+        doubt: we cannot tell what is)."""
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             return set()
         except (OSError, ValueError) as e:
-            # Unreadable: we cannot tell what is in doubt, so everything pending is.
             log.error("ranklens collector: delivery journal %s unreadable (%s); checking every segment", path, e)
-            return {self._rel(p) for p in self._walk()}
+            return None
         if not isinstance(raw, dict) or raw.get("version") != JOURNAL_VERSION:
             log.error("ranklens collector: delivery journal %s has an unknown format; checking every segment", path)
-            return {self._rel(p) for p in self._walk()}
+            return None
         return {str(s) for s in raw.get("in_doubt", [])}
 
     def _reload_journal(self) -> None:
@@ -321,6 +331,11 @@ class Shipper:
         on_disk = self._load_journal(quiet=True)
         # what we hold in doubt stays so until we deleted it (asking once too often costs a query)
         self.in_doubt = on_disk | {s for s in ours if (self.spool_dir / s).exists()}
+        if self._journaled is None:  # unreadable, or an old release's: write the spool's journal now
+            try:
+                self._write_journal(self.in_doubt)
+            except OSError as e:
+                log.error("ranklens collector: cannot write the delivery journal %s: %s", self.journal_path, e)
         new = on_disk - ours
         if new:
             log.warning(
@@ -361,7 +376,13 @@ class Shipper:
         with self._spool_lock(wait_s) as held:
             if not held:
                 return ShipResult(busy=True)
-            return self._traced_pass()
+            self._in_pass = True
+            try:
+                return self._traced_pass()
+            finally:
+                self._in_pass = False
+                with self._budget_lock:
+                    self._inflight.clear()
 
     @contextlib.contextmanager
     def _spool_lock(self, wait_s: float) -> Iterator[bool]:
@@ -424,7 +445,7 @@ class Shipper:
         if self.failures:
             # the store failed last time: hold the budget now, and let a few segments find out
             # whether it is back before reading thousands (a failing pass stays short and cheap)
-            self._enforce_budget(result, evict=True)
+            self._enforce_budget(result, evict=True, force=True)
             pending = [p for p in pending[:PROBE_SEGMENTS] if p.exists()]
         for seg in pending:
             rel = self._rel(seg)
@@ -443,6 +464,8 @@ class Shipper:
                     result.quarantined += 1
                 continue
             segments.append(_Segment(seg, rel, name, data, ingest_id_of(rel, content)))
+            with self._budget_lock:
+                self._inflight.add(rel)
             if self.on_segment is not None and rel not in self._observed:  # once, not per retry
                 self._observed.add(rel)
                 try:
@@ -455,6 +478,8 @@ class Shipper:
             self._ship_traces(result)
         # the budget after the pass: a store that took the rows has emptied the spool; eviction is
         # only for a pass that could not ship (issue 22 #2)
+        with self._budget_lock:
+            self._inflight.clear()  # this pass is done with them
         self._enforce_budget(result, evict=not result.ok)
         self._record_result_drops(result)
         if result.ok and not probing and len(pending) < self.max_segments:
@@ -467,7 +492,14 @@ class Shipper:
     def check_budget(self) -> ShipResult:
         """Measure the spool and, while the store is failing (the last pass could not ship), hold it
         to its budget: between passes, however long they back off, so the budget holds as data
-        arrives (issue 22 #6). Skipped (``busy``) while another shipper holds the spool."""
+        arrives (issue 22 #6). Thread-safe: while this shipper's own pass runs (it holds the spool),
+        the segments that pass holds are left alone. Skipped (``busy``) while another process
+        ships the spool."""
+        if self._in_pass:
+            result = ShipResult()
+            self._enforce_budget(result, evict=self.failures > 0, concurrent=True)
+            self._record_result_drops(result)
+            return result
         with self._spool_lock(0.0) as held:
             if not held:
                 return ShipResult(busy=True)
@@ -518,8 +550,9 @@ class Shipper:
     def _isolate(self, segments: list[_Segment], first: Exception, result: ShipResult) -> list[_Segment]:
         """A block failed for a reason other than the store being down: send its segments one by
         one (each in doubt: asked about first, so nothing is sent twice). A segment that fails on
-        its own with a Python error, or that the store refuses while it takes others, is
-        quarantined; when the store refuses every one, it is the store's problem: all stay.
+        its own with a Python error (converting its rows), or that the store refuses while it
+        takes other segments of the same table, is quarantined; a refusal of a whole table (a
+        table the store cannot write, a query it cannot run) is the store's problem: those stay.
         Returns the segments now stored."""
         log.warning(
             "ranklens collector: a block of %d segment(s) failed (%s: %s); sending them one by one",
@@ -528,6 +561,7 @@ class Shipper:
             first,
         )
         stored: list[_Segment] = []
+        written: set[str] = set()  # tables the store took a segment of, alone
         refused: list[tuple[_Segment, Exception]] = []
         for s in segments:
             try:
@@ -537,6 +571,7 @@ class Shipper:
                 ((batch, _),) = list(_blocks([s]))
                 self._count(result, self.store.write_many(batch))
                 stored.append(s)
+                written.add(s.table)
             except StoreUnavailable as e:
                 result.error = str(e)
                 self._store_failed(e, len(segments) - len(stored))
@@ -545,7 +580,7 @@ class Shipper:
                 refused.append((s, e))
                 if not stored and len(refused) >= 3 and all(isinstance(x, StoreError) for _, x in refused):
                     break  # the store refuses everything: its problem, not these segments'
-        poison = [(s, e) for s, e in refused if stored or not isinstance(e, StoreError)]
+        poison = [(s, e) for s, e in refused if s.table in written or not isinstance(e, StoreError)]
         for s, e in poison:
             if self._quarantine(s.path, f"{s.path}: the store cannot take it: {type(e).__name__}: {e}"):
                 result.quarantined += 1
@@ -722,11 +757,18 @@ class Shipper:
 
     # --- the disk budget -----------------------------------------------------------------------
 
-    def _enforce_budget(self, result: ShipResult, *, evict: bool) -> None:
-        """Measure the spool (at most every ``check_interval_s``); with ``evict`` (the store cannot
-        take the rows) remove the least valuable data until it is back within its budget."""
+    def _enforce_budget(
+        self, result: ShipResult, *, evict: bool, force: bool = False, concurrent: bool = False
+    ) -> None:
+        """Measure the spool (at most every ``check_interval_s``, unless ``force``); with ``evict``
+        (the store cannot take the rows) remove the least valuable data until it is back within
+        its budget. ``concurrent``: called while this shipper's pass runs in another thread."""
+        with self._budget_lock:
+            self._enforce_budget_locked(result, evict=evict, force=force, concurrent=concurrent)
+
+    def _enforce_budget_locked(self, result: ShipResult, *, evict: bool, force: bool, concurrent: bool) -> None:
         b = self.budget
-        if b is None or time.monotonic() - self._last_budget_check < b.check_interval_s:
+        if b is None or (not force and time.monotonic() - self._last_budget_check < b.check_interval_s):
             return
         self._last_budget_check = time.monotonic()
         files: list[tuple[int, float, int, Path]] = []  # (value class, mtime, size, path)
@@ -749,12 +791,16 @@ class Shipper:
         for _cls, _mtime, size, p in sorted(files, key=lambda f: (f[0], f[1], f[3].name)):
             if freed >= target:
                 break
+            rel = self._rel(p)
+            if rel in self._inflight:
+                continue  # the running pass holds it
             table_name, rows = _table_and_rows(p)
             try:
                 p.unlink()
             except FileNotFoundError:
                 continue
-            self._forget(self._rel(p))
+            if not concurrent:  # (the pass's own bookkeeping drops names of files that are gone)
+                self._forget(rel)
             freed += size
             result.evicted[table_name] = result.evicted.get(table_name, 0) + rows
         self.spool_bytes -= freed

@@ -250,3 +250,52 @@ def test_two_shippers_on_one_spool_never_send_a_segment_twice(tmp_path, embedded
     assert sorted(r.busy for r in results.values()) == [False, True]  # one shipped, the other stood aside
     assert _seqs(embedded_store) == sorted(10 * k + i for k in range(10) for i in range(5))
     assert b.ship_once(wait_s=1).segments == 0 and a.ship_once().segments == 0
+
+
+# --- issue 22: one journal per spool, a segment at fault, eviction only while the store is down ---
+
+
+def test_the_journal_is_read_again_at_every_pass(tmp_path, store):
+    """A shipper started first does not miss what another one sent and could not delete."""
+    spool = tmp_path / "spool"
+    first = Shipper(spool, store, host="a")  # reads the (empty) journal now
+    SpoolWriter(spool, "j", 0, 0).write("collectives", _rows(4))
+    assert not Shipper(spool, _FailAfterWrite(store), host="b").ship_once().ok  # stored, not deleted
+    r = first.ship_once()
+    assert r.ok and r.already_stored == 1 and r.rows == {}
+    assert _seqs(store) == list(range(4))
+
+
+def test_a_segment_the_store_cannot_take_is_quarantined_and_the_rest_ships(tmp_path, store):
+    class Picky:
+        """Fails converting one segment's rows (as a driver would on a value it cannot encode)."""
+
+        url, backend = store.url, store.backend
+
+        def write_many(self, batches):
+            if "collectives" in batches and 666 in batches["collectives"]["seq"].to_pylist():
+                raise ValueError("cannot encode seq 666")
+            return store.write_many(batches)
+
+        def query(self, sql):
+            return store.query(sql)
+
+    w = SpoolWriter(tmp_path / "spool", "j", 0, 0)
+    for k in range(3):
+        w.write("collectives", _rows(3, start=10 * k))
+    w.write("collectives", _rows(1, start=666))
+    sh = Shipper(tmp_path / "spool", Picky())
+    r = sh.ship_once()
+    assert r.ok and r.quarantined == 1 and r.segments == 3, r
+    assert _seqs(store) == [0, 1, 2, 10, 11, 12, 20, 21, 22]
+    (reason,) = (tmp_path / "spool" / "quarantine").glob("*.reason")
+    assert "ValueError: cannot encode seq 666" in reason.read_text()
+
+
+def test_free_space_floor_never_evicts_while_the_store_takes_the_rows(tmp_path, embedded_store):
+    from ranklens.collector.shipper import SpoolBudget
+
+    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(5))
+    budget = SpoolBudget(min_free_bytes=1024**3, check_interval_s=0)
+    r = Shipper(tmp_path / "spool", embedded_store, budget=budget, free_bytes=lambda _p: 0).ship_once()
+    assert r.ok and r.evicted == {} and r.rows == {"collectives": 5}

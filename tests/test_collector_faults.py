@@ -493,14 +493,15 @@ def test_disk_budget_holds_as_data_arrives_while_the_store_is_down(tmp_path, sto
             time.sleep(1.0)
         finally:
             _stop(p, log)
+        # lowest-value data went first: every step arrived once; every GPU sample is stored or counted
+        steps = _q(url, "SELECT count(), uniqExact(step) FROM steps WHERE job_id = 'budget'")
+        (stored,) = _q(url, "SELECT count() FROM gpu_samples WHERE job_id = 'budget'")[0]
+        dropped = _q(url, "SELECT sum(count) FROM drops WHERE what = 'spool_budget:gpu_samples'")[0][0] or 0
     print(
         f"budget {budget / 1e6:.1f} MB, data at {rate / 1e6:.1f} MB/s for 20 s while the store was down: "
-        f"spool peak {peak / 1e6:.1f} MB"
+        f"spool peak {peak / 1e6:.1f} MB; {dropped} of {w.rows['gpu_samples']} GPU samples evicted and counted"
     )
-    # a check every second, a failing pass of ~1.5 s against a stopped server: at most ~2.5 s of arrivals over
+    # a check every second (its own thread, whatever the passes do): about 1 s of arrivals over, plus slack
     assert peak <= budget + 2.5 * rate, f"spool peaked at {peak / 1e6:.1f} MB over a {budget / 1e6:.0f} MB budget"
-    # lowest-value data went first: every step arrived once; every GPU sample is stored or counted
-    assert _q(url, "SELECT count(), uniqExact(step) FROM steps WHERE job_id = 'budget'") == [(w.rows["steps"],) * 2]
-    (stored,) = _q(url, "SELECT count() FROM gpu_samples WHERE job_id = 'budget'")[0]
-    dropped = _q(url, "SELECT sum(count) FROM drops WHERE what = 'spool_budget:gpu_samples'")[0][0] or 0
+    assert steps == [(w.rows["steps"],) * 2]
     assert dropped > 0 and stored + dropped == w.rows["gpu_samples"], (stored, dropped, w.rows)
