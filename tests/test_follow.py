@@ -6,7 +6,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-import time
 
 from ranklens.analyzers.findings import Finding, Severity, Suspect
 from ranklens.analyzers.job import FindingTracker
@@ -30,8 +29,25 @@ def test_tracker_events():
     assert [f.id for f in u.changed] == ["a"] and t.open == {}
 
 
+def _last_run_s(metrics_url: str) -> float:
+    """The follow loop's ``ranklens_analyzer_last_run_timestamp_seconds`` (set by every pass)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    for fam in text_string_to_metric_families(body):
+        for sample in fam.samples:
+            if sample.name == "ranklens_analyzer_last_run_timestamp_seconds":
+                return sample.value
+    return 0.0
+
+
 def test_analyze_follow_prints_json_events(tmp_path):
+    import re
+
     from ranklens.store import open_store
+    from tests._sync import wait_until
 
     store = open_store(f"embedded://{tmp_path}/s")
     store.write_many(synthetic_job(slow_rank=3))
@@ -47,15 +63,30 @@ def test_analyze_follow_prints_json_events(tmp_path):
             "--json",
             "--interval",
             "0.2",
+            "--metrics-port",
+            "0",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    passes: set[float] = set()
     try:
+        said = [proc.stderr.readline()]  # the endpoint's address comes first, before any pass
+        while not (m := re.search(r"metrics on (http://\S+/metrics)", said[-1])) and said[-1]:
+            said.append(proc.stderr.readline())
+        assert m, "".join(said)
         line = proc.stdout.readline()
+        # "saved once, not once per pass" needs passes after the one that found it: count them by the
+        # exporter's last-run stamp (a fixed sleep gives none on a loaded machine and proves nothing)
+        first = _last_run_s(m.group(1))
+
+        def two_more_passes() -> bool:
+            passes.add(_last_run_s(m.group(1)))
+            return len({t for t in passes if t > first}) >= 2
+
+        wait_until(two_more_passes, 120, "two more passes of analyze --follow", procs=[proc], interval_s=0.05)
     finally:
-        time.sleep(0.5)
         proc.terminate()
         proc.communicate(timeout=30)
     event = json.loads(line)

@@ -26,6 +26,7 @@ from ranklens.analyzers.recovery.api import Decision, idempotency_key
 from ranklens.analyzers.recovery.signing import signature_headers
 from ranklens.analyzers.recovery.testing import Response, WebhookReceiver
 from ranklens.analyzers.recovery.webhooks import backoff_s
+from tests._sync import wait_until
 from tests.recovery_helpers import SECRET, Clock, finding, policy
 
 
@@ -116,7 +117,9 @@ def test_timeout_is_retried(embedded_store, tmp_path):
         assert r.deliveries.retrying == 1
         eng.drain(timeout_s=60)
         eng.close()
-        time.sleep(1.0)  # let the slow handler finish recording
+        # the receiver stops at the end of this block: first let the slow handler (1 s) finish and
+        # record its request, or it would write to a closed server
+        wait_until(lambda: len(rx.requests) == 2, 60, "the receiver to record both attempts (the first one slow)")
     rows = actions(embedded_store)
     assert [a["outcome"] for a in rows] == ["retrying", "acknowledged"]
     assert "timeout after 0.2 s" in rows[0]["detail"]
