@@ -72,6 +72,7 @@ class PersistentBlameDetector:
         top = np.argmax(delay, axis=0)
         total = delay.sum(axis=0)
         out = []
+        runs: list[_Run] = []
         for i, rank in enumerate(blame.ranks):
             with np.errstate(all="ignore"):
                 share = np.nan_to_num(delay[i] / step_time)
@@ -85,9 +86,16 @@ class PersistentBlameDetector:
             if seg is None:
                 continue
             start, end, n_hot = seg
+            run = _Run(
+                int(rank), start, end, float(np.median(delay[i, start : end + 1])), blame.hosts.get(int(rank), "")
+            )
+            runs.append(run)
+            if n_hot < 0:  # a transient: not a finding, but evidence of a busy host
+                continue
             length = end - start + 1
             out.append(Detection(int(rank), start, end, n_hot / length, n_hot, length))
-        return out
+        moved = _migrating(runs, [r for r in runs if r.rank in {d.rank for d in out}])
+        return [d for d in out if d.rank not in moved]
 
 
 LEVEL_TRIM = 0.5  # hot steps at the ends of a run below this share of the run's median level are left out
@@ -131,8 +139,35 @@ def _persistent_run(
         if b < n - RESOLVED_AFTER_STEPS and n_hot < MIN_RESOLVED_HOT:
             # it started and stopped within a few steps: a transient (a rank starved of CPU by a busy
             # host for half a second, a GC pause), not a straggler; a live pass saw it while it lasted
-            return None
+            return a, b, -n_hot
     return a, b, n_hot
+
+
+@dataclass(frozen=True)
+class _Run:
+    rank: int
+    a: int
+    b: int
+    level: float
+    host: str
+
+
+def _migrating(runs: list[_Run], keep: list[_Run]) -> set[int]:
+    """Ranks of ``keep`` whose slowness moved to or from another rank of the same host: a run of
+    another rank (a straggler run or a transient one) on that host, at a comparable level, that does
+    not overlap it in time. A slow GPU or a sleeping rank stays slow; a busy host starves one of its
+    ranks, then another (the kernel's scheduler favours the ranks that wait): host contention, not a
+    straggler rank. Two stragglers at the same time are both kept."""
+    out = set()
+    for r in keep:
+        for o in runs:
+            if o.rank == r.rank or (o.host and r.host and o.host != r.host):
+                continue
+            apart = o.b < r.a or o.a > r.b
+            if apart and o.level >= 0.5 * r.level and r.level >= 0.5 * o.level:
+                out.add(r.rank)
+                break
+    return out
 
 
 def _change_point(x: np.ndarray, lo: int, hi: int) -> int:
@@ -221,6 +256,7 @@ class PeerComputeDetector:
         if cm.empty:
             return []
         out: list[PeerDetection] = []
+        runs: list[_Run] = []
         compute = cm.compute_s
         for label in np.unique(cm.peer_group):
             idx = np.flatnonzero(cm.peer_group == label)
@@ -270,9 +306,16 @@ class PeerComputeDetector:
                     shift = float(np.nanmean(excess[k, a : b + 1])) * np.sqrt(b - a + 1) / noise
                     if not shift >= self.shift_z:
                         continue
+                with np.errstate(all="ignore"), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    lvl = float(np.nanmedian(excess[k, a : b + 1]))
+                runs.append(_Run(int(cm.ranks[i]), a, b, lvl, cm.hosts.get(int(cm.ranks[i]), "")))
+                if n_hot < 0:  # a transient: not a finding, but evidence of a busy host
+                    continue
                 ex = np.nan_to_num(excess[k, a : b + 1])
                 with np.errstate(all="ignore"), warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
                     ratio = float(np.nanmedian(block[k, a : b + 1]) / np.nanmedian(med[k, a : b + 1]))
                 out.append(PeerDetection(int(cm.ranks[i]), a, b, n_hot / (b - a + 1), n_hot, b - a + 1, ex, ratio))
-        return out
+        moved = _migrating(runs, [r for r in runs if r.rank in {d.rank for d in out}])
+        return [d for d in out if d.rank not in moved]

@@ -164,12 +164,12 @@ def collective_windows(store: Store, job_id: str, attempt: int = 0) -> Windows:
     starts = r.column("start_ns").astype(np.int64) if r.num_rows else np.zeros(0, dtype=np.int64)
     if basis == "iterations" and start > 0:
         # collectives of the loop's own kinds before the periodic part are its first iteration(s)
-        # (DDP reduces all gradients in one bucket in its first iteration, then rebuilds its buckets);
-        # other kinds (an init barrier, a broadcast of the model) are the set-up
+        # (DDP reduces all gradients in one bucket in its first iteration, then rebuilds its buckets
+        # and broadcasts the new layout); other kinds before the first of them (an init barrier, the
+        # broadcast of the model) are the set-up
         kinds = {k for k, _ in (sig_of[i] for i in range(start, min(len(sig_of), start + period)))}
         lead = [i for i in range(start) if sig_of[i][0] in kinds]
         if lead:
-            lead = lead[next(k for k, i in enumerate(lead) if all(j in lead for j in range(i, start))) :]
             chunks = [lead[k] for k in range(0, len(lead), period)]
             starts = np.concatenate([np.array([int(rows[i][3]) for i in chunks], dtype=np.int64), starts])
             start -= len(lead)
