@@ -81,7 +81,7 @@ def main() -> int:
     )
     s = time.perf_counter()
     for _ in range(1000):
-        reader.enqueued()
+        reader.status()
     print(f"status read (decides when to dump; every 50 ms): {(time.perf_counter() - s) * 1e3:.3f} us")
     direct = lambda: new_entries(c10d._dump_fr_trace_json(), last_id)  # noqa: E731
     for name, read in (("fr_trace_json handler (GIL released)", one_read), ("_dump_fr_trace_json (GIL held)", direct)):

@@ -178,8 +178,8 @@ class FakeRing:
         doc = {"comm_lib_version": "", "entries": self.entries, "nccl_comm_state": {}}
         return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
-    def enqueued(self) -> int:
-        return len(self.entries)
+    def status(self) -> tuple[int, bool]:
+        return len(self.entries), any(not e["retired"] for e in self.entries)
 
     def read(self):
         data = self.dump()
@@ -285,6 +285,17 @@ def test_overwritten_entries_no_wrapper_saw_are_counted_as_lost(tmp_path):
     t.ledger.poll(clock())
     assert [r["seq"] for r in _rows(t)] == [3]
     assert t._drops["collectives:fr_ring_overwritten"] == 2
+
+
+def test_a_collective_in_flight_is_read_soon_though_the_ring_is_quiet(tmp_path):
+    t, ring, _clock = _ledger(tmp_path)
+    t.ledger.max_delay_ns = 60 * 10**9  # no periodic read in this test
+    t.ledger.poll(10**9)  # a first read: nothing
+    ring.add("0", 1, 10**9 + 1, retired=False)  # e.g. DDP's reducer, stuck: no wrapper saw it
+    t.ledger.poll(10**9 + 10**8)
+    assert not t._inflight  # 0.1 s: not yet
+    t.ledger.poll(10**9 + 7 * 10**8)
+    assert ("0", 1) in t._inflight  # 0.6 s in flight: read, heartbeats show it
 
 
 def test_an_in_flight_ring_entry_is_written_when_it_retires(tmp_path):

@@ -140,8 +140,8 @@ class RingReader:
 
     Args:
         dump: returns the JSON dump (default: the ``fr_trace_json`` handler, GIL released).
-        status: returns the count of ops enqueued so far over all groups, or None when unknown
-            (default: torch's status-only dump, no entries: microseconds).
+        status: returns the count of collectives recorded so far over all groups and whether one
+            is in flight (default: torch's status-only dump, no entries: microseconds).
     """
 
     def __init__(self, dump: Any = None, status: Any = None, nccl: Any = None) -> None:
@@ -168,10 +168,11 @@ class RingReader:
         except Exception:
             log.exception("ranklens: torch's flight recorder cannot be read here")
             return None
-        return cls(dump=dump, status=_enqueued if hasattr(c10d, "_dump_fr_trace_json") else None, nccl=nccl)
+        return cls(dump=dump, status=_status if hasattr(c10d, "_dump_fr_trace_json") else None, nccl=nccl)
 
-    def enqueued(self) -> int | None:
-        """Ops enqueued so far (all groups; p2p included), None when unknown."""
+    def status(self) -> tuple[int, bool] | None:
+        """Collectives recorded so far (all groups) and whether one of them is still in flight;
+        None when unknown."""
         if self._status is None:
             return None
         try:
@@ -200,8 +201,10 @@ class RingReader:
         return out, lost
 
 
-def _enqueued() -> int:
+def _status() -> tuple[int, bool]:
     import torch._C._distributed_c10d as c10d
 
-    status = json.loads(c10d._dump_fr_trace_json(includeCollectives=False)).get("pg_status") or {}
-    return sum(int(s.get("last_enqueued_collective", 0)) for s in status.values())
+    groups = json.loads(c10d._dump_fr_trace_json(includeCollectives=False)).get("pg_status") or {}
+    enqueued = [int(g.get("last_enqueued_collective", 0)) for g in groups.values()]
+    completed = [int(g.get("last_completed_collective", 0)) for g in groups.values()]
+    return sum(enqueued), any(e > c for e, c in zip(enqueued, completed))

@@ -96,8 +96,8 @@ class Ledger:
         poll_s: how often the ledger's thread checks how much is new (a status read of a few
             microseconds); the ring is dumped when half of it is new, so it is not overwritten
             unread below ~``capacity / 2 / poll_s`` collectives a second (20,000/s by default).
-        claim_wait_s: a call in flight this long gets its seq at the next flush (heartbeats and
-            hang dumps then name it).
+        claim_wait_s: a collective in flight this long (a wrapped call, or one the ring's status
+            shows) is read within ``poll_s``, so heartbeats and hang dumps name its ``(pg, seq)``.
     """
 
     def __init__(
@@ -107,7 +107,7 @@ class Ledger:
         *,
         capacity: int = 2000,
         max_delay_s: float = 2.0,
-        claim_wait_s: float = 1.0,
+        claim_wait_s: float = 0.5,
         poll_s: float = 0.05,
     ) -> None:
         self.t = tracer
@@ -122,6 +122,7 @@ class Ledger:
         self._known_pgs: set[str] = set()
         self._open: dict[tuple[int, int], dict[str, Any]] = {}  # ring-only rows in flight, by (ring, id)
         self._last_read_ns = 0
+        self._in_flight_since = 0  # when the ring's status first showed a collective in flight
         self._last_seq: dict[str, int] = {}  # the newest seq read per group
         self._enqueued_at_read = 0
         self.reads = 0
@@ -221,8 +222,9 @@ class Ledger:
 
     def _poll(self, now: int, force: bool) -> None:
         try:
-            n = self.reader.enqueued()
-            if not force and not self._due(now, n):
+            status = self.reader.status()
+            n = status[0] if status is not None else None
+            if not force and not self._due(now, status):
                 return
             entries, lost = self.reader.read()
             self._last_read_ns = now
@@ -242,15 +244,23 @@ class Ledger:
             self.t.count_drop("collectives:fr_read_error")
             log.exception("ranklens: reading torch's flight-recorder ring failed")
 
-    def _due(self, now: int, enqueued: int | None) -> bool:
+    def _due(self, now: int, status: tuple[int, bool] | None) -> bool:
+        # a collective in flight for a while: read it, so heartbeats and hang dumps name its seq
+        in_flight = status is not None and status[1]
+        if in_flight and not self._in_flight_since:
+            self._in_flight_since = now
+        elif not in_flight:
+            self._in_flight_since = 0
         if now - self._last_read_ns >= self.claim_wait_ns:
+            if in_flight and now - self._in_flight_since >= self.claim_wait_ns:
+                return True
             for q in list(self._claims.values()):
                 if q and not q[0].done and now - q[0].t0 >= self.claim_wait_ns:
-                    return True  # a call in flight for a while: number it (heartbeats, hang dumps)
+                    return True
         late = now - self._last_read_ns >= self.max_delay_ns
-        if enqueued is None:
+        if status is None:
             return late
-        new = enqueued - self._enqueued_at_read
+        new = status[0] - self._enqueued_at_read
         return (new > 0 or bool(self._open)) and (new >= self.capacity // 2 or late)
 
     def _take(self, entries: list[dict[str, Any]]) -> None:
