@@ -140,14 +140,16 @@ def to_peer_finding(
             waited = float(blame.delay_s[bi, cols].sum() / len(cols))
             waited_gpu = float(blame.wait_s[bi, cols].sum() / len(cols))
     seen = _step_excess_seen(cm, d.onset_index, d.last_index)
-    # What the rank cost the job: the time the others waited for it (or, where the ledger cannot
-    # show it, e.g. a pipeline's p2p, the step-time rise the job saw), never more than its excess.
-    # A rank that computes longer but that nobody waits for costs (almost) nothing.
-    if waited is None and seen is None:
-        cost, basis = excess_per_step, "compute_excess"
+    # What the rank cost the job: the time the others waited for it; where the ledger cannot show
+    # it (no collectives of the rank's), the step-time rise the job saw; never more than its excess.
+    # A rank that computes longer but that nobody waits for costs (almost) nothing. (The step-time
+    # rise is not credited next to blame: another rank's slowdown at the same time would raise it.)
+    if waited is not None:
+        cost, basis = min(excess_per_step, waited), "others_waited"
+    elif seen is not None:
+        cost, basis = min(excess_per_step, seen), "step_time_rise"
     else:
-        cost = min(excess_per_step, max(waited or 0.0, seen or 0.0))
-        basis = "others_waited" if (waited or 0.0) >= (seen or 0.0) else "step_time_rise"
+        cost, basis = excess_per_step, "compute_excess"
     pct = 100.0 * cost / step_mean if step_mean and np.isfinite(step_mean) else 0.0
     in_phase = f" in {phase}" if phase else ""
     title = (
