@@ -48,6 +48,8 @@ GC_GRACE_S = 120.0
 COMPACT_MIN_PARTS = 16  # merge when a table has at least this many small parts
 SMALL_PART_ROWS = 500_000  # parts smaller than this are merged together
 
+# chDB error names of a query that failed reading the store's files (see query())
+_IO_ERRORS = ("(FILE_DOESNT_EXIST)", "(CANNOT_OPEN_FILE)", "(CANNOT_READ_FROM_FILE_DESCRIPTOR)", "(CANNOT_STAT)")
 _session_lock = threading.RLock()
 _session: Any = None
 _session_pid: int | None = None
@@ -64,6 +66,18 @@ def _chdb_session() -> Any:
         _session = chdb_session.Session()
         _session_pid = os.getpid()
     return _session
+
+
+def _drain(session: Any) -> None:
+    """After a query failed while executing, chDB (4.4) hands the next query on the session the
+    remains of the failed one (an empty or invalid Arrow message: a spurious error for an innocent
+    query, e.g. the first after the store's disk is back). Run throwaway queries until one is clean."""
+    for _ in range(3):
+        try:
+            session.query("SELECT 1", "ArrowTable")
+            return
+        except Exception:
+            continue
 
 
 class EmbeddedStore:
@@ -323,6 +337,11 @@ class EmbeddedStore:
             try:
                 result = session.query(sql, "ArrowTable")
             except Exception as e:  # chdb raises RuntimeError subclasses
+                _drain(session)
+                if any(code in str(e) for code in _IO_ERRORS):
+                    # a part file it cannot read is the store's disk failing, not a bad query: callers
+                    # retry (the shipper keeps its segments) instead of blaming what they asked about
+                    raise StoreUnavailable(f"cannot read the embedded store at {self.root}: {e}") from e
                 raise StoreError(f"query failed on the embedded store: {e}") from e
         return QueryResult(repair_utf8(result))  # stored bytes that are not UTF-8: U+FFFD, not a crash
 
