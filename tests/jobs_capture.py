@@ -5,7 +5,8 @@ Modes:
 - ``fsdp2``: ``fully_shard`` per layer and at the root (FSDP2 on gloo/CPU), Adam, a DataLoader;
 - ``tp``: a DeviceMesh and ``parallelize_module`` with ColwiseParallel/RowwiseParallel (DTensor's
   functional collectives), Adam;
-- ``mix``: DDP's native bucket all-reduces, pipeline-style ``batch_isend_irecv``, object collectives,
+- ``mix``: DDP (with ranklens' hook, and with a builtin C++ hook whose all-reduces never reach
+  Python), pipeline-style ``batch_isend_irecv``, object collectives,
   coalesced ops (``_coalescing_manager``, ``all_reduce_coalesced``, functional coalesced) and
   functional collectives called directly;
 - ``all``: the three in turn, in one job (one process start-up for the tests).
@@ -80,8 +81,11 @@ def mix() -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = DDP(mlp())
+    model = DDP(mlp())  # under ranklens run: its buckets go through ranklens' comm hook (wrapped)
     train(model, model.parameters())
+    native = DDP(mlp())  # a builtin (C++) hook: its all-reduces never reach Python
+    native._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    train(native, native.parameters())
     for _ in range(2):  # pipeline-style neighbour exchange
         ops = [
             dist.P2POp(dist.isend, torch.ones(8), (rank + 1) % world),
