@@ -580,14 +580,14 @@ class Shipper:
                 refused.append((s, e))
                 if not stored and len(refused) >= 3 and all(isinstance(x, StoreError) for _, x in refused):
                     break  # the store refuses everything: its problem, not these segments'
-        poison = [(s, e) for s, e in refused if s.table in written or not isinstance(e, StoreError)]
-        for s, e in poison:
-            if self._quarantine(s.path, f"{s.path}: the store cannot take it: {type(e).__name__}: {e}"):
+        poison = [(s, err) for s, err in refused if s.table in written or not isinstance(err, StoreError)]
+        for s, err in poison:
+            if self._quarantine(s.path, f"{s.path}: the store cannot take it: {type(err).__name__}: {err}"):
                 result.quarantined += 1
-        if len(poison) < len(refused):
-            e = next(e for s, e in refused if (s, e) not in poison)
-            result.error = str(e)
-            self._store_failed(e, len(refused) - len(poison))
+        kept = [err for s, err in refused if (s, err) not in poison]
+        if kept:
+            result.error = str(kept[0])
+            self._store_failed(kept[0], len(kept))
         return stored
 
     def _settle(self, doubtful: list[_Segment], result: ShipResult) -> list[_Segment]:
