@@ -260,8 +260,13 @@ tmp = sys.argv[1]
 store = open_store(f"embedded://{tmp}/store")
 cfg = AgentConfig(spool_dir=f"{tmp}/spool", logs=(LogSource(glob=f"{tmp}/logs/*.log"),), host="node-a",
                   nvml=False, ship_interval_s=0.05, log_poll_interval_s=0.02, commit_interval_s=0.05)
-print("ready", flush=True)
-Agent(cfg, store=store).run()
+agent = Agent(cfg, store=store)
+start = agent.start
+def started():  # run() installs its SIGTERM handler, then starts: ready only now (a SIGTERM before
+    start()     # the handler would kill the process instead of stopping it gracefully)
+    print("ready", flush=True)
+agent.start = started
+agent.run()
 """
 
 
@@ -293,7 +298,7 @@ def test_kill_minus_9_and_restart_loses_no_log_event(tmp_path):
     write(50)  # written while the collector is down
     p = child()
     write(50)
-    time.sleep(1.5)
+    time.sleep(1.5)  # deliberate: the restarted collector works through the backlog a while (stop ships the rest)
     p.send_signal(signal.SIGTERM)  # graceful: flush, last shipping pass
     assert p.wait(60) == 0
     p.stdout.close()
