@@ -125,6 +125,7 @@ class Tracer:
         self._cuda_timer: Any = None
         self.clock_error_ns = 0  # worst host/device clock mapping error seen (CUDA timing)
         self.spans: Any = None  # ranklens.tracing.otel.StepSpans, set by init() when asked for
+        self.autostep: Any = None  # ranklens.tracing._autostep.AutoStep, set by init(): inferred steps
         self._step_phases: list[tuple[str, int, int]] = []
         self._pending: list[tuple[Any, dict[str, Any]]] = []
         self._pending_cv = threading.Condition()
@@ -347,6 +348,8 @@ class Tracer:
     @contextlib.contextmanager
     def step(self, n: int, **info: Any) -> Iterator[None]:
         """Time training step ``n``; ``info`` may carry samples, tokens, loss, grad_norm."""
+        if self.autostep is not None:  # explicit steps win: inference stops
+            self.autostep.explicit("step")
         start = self.clock()
         self._step = n
         prof = self.profiler
@@ -376,6 +379,8 @@ class Tracer:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time a phase (data, forward, backward, optimizer, or any name) of the current step."""
+        if self.autostep is not None:  # explicit phases win: phase inference stops
+            self.autostep.explicit("phase")
         start = self.clock()
         outer, outer_start = self._phase, self._phase_start
         self._phase, self._phase_start = name, start
