@@ -30,6 +30,24 @@ def store_option(f: F) -> F:
     )(f)
 
 
+def store_flag(url: str) -> str:
+    """`` --store URL`` for a hint the user can run as printed. ``url`` is a store's printable URL
+    (its password, if any, shown as ``***``): the hint carries the URL without the password, which
+    the store then takes from ``$RANKLENS_STORE_PASSWORD`` (see :func:`password_note`)."""
+    import shlex
+
+    return f" --store {shlex.quote(url.replace(':***@', '@', 1))}"
+
+
+def password_note(url: str) -> str | None:
+    """The line to print under hints whose store URL had a password, else None."""
+    from ranklens.config import ENV_STORE_PASSWORD
+
+    if ":***@" not in url:
+        return None
+    return f"(the store password is not printed: export {ENV_STORE_PASSWORD} before running these)"
+
+
 def errors(f: F) -> F:
     """Turn ranklens errors into one clear line on stderr and the documented exit code."""
 

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from ranklens import __version__
-from ranklens._cli_common import EPILOG, agent_options, errors, policy_options, store_option
+from ranklens._cli_common import EPILOG, agent_options, errors, password_note, policy_options, store_flag, store_option
 from ranklens.errors import NotFound
 from ranklens.errors import StoreUnavailable as StoreUnavailableError
 
@@ -162,7 +162,7 @@ def demo(
         return
     click.echo(f"job {result.job_id} finished in {result.wall_s:.1f} s; {rows:,} records collected into the store.")
     _print_findings(result.findings)
-    q = f" --store {store.url}" if store_url else ""
+    q = store_flag(store.url)
     click.echo("\nLook further:")
     prog = _prog()
     click.echo(f"  {prog} analyze{q} --job {result.job_id} --json")
@@ -171,6 +171,8 @@ def demo(
         f"WHERE job_id = '{result.job_id}' GROUP BY rank, phase ORDER BY phase, rank\""
     )
     click.echo(f"  rank logs: {result.log_dir}")
+    if note := password_note(store.url):
+        click.echo(f"  {note}")
 
 
 def _prog() -> str:
@@ -933,13 +935,17 @@ def run(store_url: str | None, spool_dir: str, job_id: str | None, no_collect: b
         rows = ", ".join(f"{k} {v:,}" for k, v in sorted(result.rows.items())) or "no records"
         click.echo(f"ranklens run: job {result.job_id} exited {result.returncode}; collected {rows}", err=True)
         if store is not None and result.rows.get("collectives"):
-            click.echo(f"ranklens run: next: {_prog()} analyze --job {result.job_id}", err=True)
+            click.echo(f"ranklens run: next: {_prog()} analyze{store_flag(store.url)} --job {result.job_id}", err=True)
+            if note := password_note(store.url):
+                click.echo(f"ranklens run: {note}", err=True)
     if ship_later and result.traced and (result.store_error or not result.collector):
         click.echo(
-            f"ranklens run: ship them with: {_prog()} collect --store {ship_later} --spool {spool_dir} "
+            f"ranklens run: ship them with: {_prog()} collect{store_flag(ship_later)} --spool {spool_dir} "
             "(a collector serving this spool does it by itself)",
             err=True,
         )
+        if note := password_note(ship_later):
+            click.echo(f"ranklens run: {note}", err=True)
     sys.exit(result.returncode)
 
 

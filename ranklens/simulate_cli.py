@@ -192,8 +192,11 @@ def simulate_command(
         culprits.append(f"nodes {_short(truth['culprit_nodes'])}")
     click.echo(f"ground truth: {truth_path} (culprits: {', '.join(culprits) or 'none, a healthy job'})")
     if store is not None:
-        q = f" --store {store.url}" if store_url else ""
-        click.echo(f"\nAnalyze it:\n  ranklens analyze --job {result.job_id}{q}")
+        from ranklens._cli_common import password_note, store_flag
+
+        click.echo(f"\nAnalyze it:\n  ranklens analyze --job {result.job_id}{store_flag(store.url)}")
+        if note := password_note(store.url):
+            click.echo(f"  {note}")
     else:
         click.echo(f"\nLoad and analyze it:\n  ranklens ingest {out_dir}\n  ranklens analyze --job {result.job_id}")
 

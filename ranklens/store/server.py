@@ -264,7 +264,9 @@ class ServerStore:
         if found != str(SCHEMA_VERSION):
             older = found.isdigit() and int(found) < SCHEMA_VERSION
             hint = (
-                f"upgrade it (every row is kept) with `ranklens schema --migrate --store {self.url}`"
+                "upgrade it (every row is kept) with "
+                f"`ranklens schema --migrate --store {self.url.replace(':***@', '@')}`"
+                + (f" (password from ${_password_env()})" if self.config.password else "")
                 if older
                 else "use a matching ranklens release"
             )
