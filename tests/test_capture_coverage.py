@@ -335,3 +335,22 @@ def test_ring_capacity_follows_torch_variables():
     assert ring_capacity({"TORCH_FR_BUFFER_SIZE": "0"}) == 0
     assert ring_capacity({"TORCH_NCCL_TRACE_BUFFER_SIZE": "500"}) == 500
     assert ring_capacity({"TORCH_FR_BUFFER_SIZE": "64", "TORCH_NCCL_TRACE_BUFFER_SIZE": "500"}) == 64
+
+
+def test_a_ring_read_that_keeps_failing_warns_once_then_counts(tmp_path, caplog):
+    # issue 22, defect 8: a traceback on every failed read (20 a second) would flood training's stderr
+    t, ring, clock = _ledger(tmp_path)
+
+    def broken():
+        raise RuntimeError("ring went away")
+
+    ring.read = broken
+    ring.status = lambda: (1, True)
+    with caplog.at_level("WARNING", logger="ranklens.tracing"):
+        for _ in range(200):
+            t.ledger.poll(clock())
+        t.ledger.poll(clock(), force=True)
+    lines = [r for r in caplog.records if "flight-recorder ring" in r.getMessage()]
+    assert t._drops["collectives:fr_read_error"] >= 200
+    assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
+    assert sum(r.exc_info is not None for r in lines) == 1

@@ -30,6 +30,7 @@ import logging
 import threading
 from typing import Any
 
+from ranklens.tracing._failures import FailureLog
 from ranklens.tracing._fr_ring import RingReader, ring_capacity
 
 __all__ = ["RING_BACKENDS", "Ledger"]
@@ -131,6 +132,8 @@ class Ledger:
         self.poll_s = poll_s
         self._poll_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # a read that keeps failing says so once, then counts (issue 22, defect 8)
+        self._read_failures = FailureLog(log, "ranklens: reading torch's flight-recorder ring failed")
 
     @classmethod
     def create(cls, tracer: Any) -> Ledger | None:
@@ -238,11 +241,15 @@ class Ledger:
             unrecovered = lost - (self.recovered - before)
             if unrecovered > 0:
                 self.t.count_drop("collectives:fr_ring_overwritten", unrecovered)
+            self._read_failures.ok()
             if force:
                 self._close_claims()
-        except Exception:
+                self._read_failures.close()
+        except Exception as e:
             self.t.count_drop("collectives:fr_read_error")
-            log.exception("ranklens: reading torch's flight-recorder ring failed")
+            self._read_failures.failed(e, traceback=True)
+            if force:
+                self._read_failures.close()
 
     def _due(self, now: int, status: tuple[int, bool] | None) -> bool:
         # a collective in flight for a while: read it, so heartbeats and hang dumps name its seq
