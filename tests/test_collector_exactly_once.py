@@ -21,16 +21,21 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from ranklens.tracing.spool import SpoolWriter
+from tests._sync import wait_until
 from tests.conftest import REQUIRE_SERVER
 
 ROOT = Path(__file__).resolve().parents[1]
 ERR = "NCCL WARN Call to ibv_reg_mr failed with error Cannot allocate memory"
-pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
+# readiness deadlines are generous (a loaded machine starts a collector in tens of seconds); the
+# timeout only guards against a hang
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+READY_S = 180.0
 
 
 def _free_port() -> int:
@@ -174,12 +179,65 @@ def _drained(ranks: Ranks) -> bool:
     return not any(ranks.spool.rglob("*.jsonl"))
 
 
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+def _tail(log: Path) -> Callable[[], str]:
+    return lambda: "collector log (tail):\n" + (log.read_text()[-3000:] if log.exists() else "(none)")
+
+
+def _logged(log: Path, text: str, p: subprocess.Popen, what: str, *, after: int = 0) -> None:
+    """Wait until the collector's log holds ``text`` (past its first ``after`` characters)."""
+    wait_until(
+        lambda: log.exists() and text in log.read_text()[after:],
+        READY_S,
+        what,
+        interval_s=0.1,
+        procs=[p],
+        detail=_tail(log),
+    )
+
+
+def _stored(url: str) -> tuple[int, int]:
+    """(distinct collective seqs, distinct log-event marks) in the store now; (-1, -1) while it is down
+    or its schema not made yet (the collector makes it when the server comes up)."""
+    from ranklens.errors import StoreError
+    from ranklens.store import open_store
+
+    try:
+        store = open_store(url, create=False)
+        try:
+            seqs = store.query("SELECT uniqExact(seq) FROM collectives WHERE job_id = 'job-eo'").scalar()
+            marks = store.query("SELECT uniqExact(message) FROM log_events").scalar()
+        finally:
+            store.close()
+    except StoreError:
+        return -1, -1
+    return int(seqs), int(marks)
+
+
+def _shipping(url: str, p: subprocess.Popen, log: Path, since: int) -> None:
+    """Wait until the running collector is up (its first line) and has stored collective rows beyond
+    the ``since`` stored before it started."""
+    _logged(log, "Ctrl-C to stop", p, "the collector's first line")
+    wait_until(
+        lambda: _stored(url)[0] > since,
+        READY_S,
+        f"the collector to store collective rows (more than the {since} stored before it started)",
+        interval_s=0.2,
+        procs=[p],
+        detail=_tail(log),
+    )
+
+
+def _all_stored(url: str, ranks: Ranks, p: subprocess.Popen, log: Path) -> None:
+    """Wait until every row the ranks wrote (they have stopped) is in the store, once checked later."""
+    want = (ranks.seq, ranks.lines)
+    wait_until(
+        lambda: all(got >= n for got, n in zip(_stored(url), want)),
+        READY_S,
+        f"every row in the store: {want[0]} collective seqs and {want[1]} log events",
+        interval_s=0.2,
+        procs=[p],
+        detail=lambda: f"now stored {_stored(url)}; " + _tail(log)(),
+    )
 
 
 def _check_exactly_once(url: str, ranks: Ranks) -> tuple[int, int]:
@@ -209,16 +267,15 @@ def test_server_stopped_mid_run_every_row_exactly_once(tmp_path, own_server, how
     log = tmp_path / "collector.log"
     p = _collector(ranks, own_server.url, log)
     try:
-        time.sleep(2.0)
+        _shipping(own_server.url, p, log, since=0)  # mid-run: the collector ships as the ranks write
         before = ranks.seq
-        getattr(own_server, how)()  # mid-run: inserts in flight fail, the ranks keep writing
-        time.sleep(3.0)
+        getattr(own_server, how)()  # inserts in flight fail, the ranks keep writing
+        _logged(log, "store unavailable", p, "the collector to see the outage ('store unavailable')")
         assert not _drained(ranks)  # the spool holds what the store cannot take
         own_server.start()
-        time.sleep(2.0)
-        ranks.stop()
-        _wait(lambda: _drained(ranks), 90, "the spool to drain after the server came back")
-        time.sleep(1.0)  # the last log events
+        _logged(log, "available again", p, "the collector to ship again once the server is back")
+        ranks.stop()  # (they wrote on while it caught up)
+        _all_stored(own_server.url, ranks, p, log)
     finally:
         p.send_signal(signal.SIGTERM)
         rc = p.wait(60)
@@ -244,22 +301,26 @@ def test_collector_killed_mid_run_every_row_exactly_once(tmp_path, server_db_url
         # 1: killed by its own fault hook right after its 3rd store write: rows stored, segments not deleted
         logs.append(tmp_path / "collector-0.log")
         p = _collector(ranks, server_db_url, logs[-1], RANKLENS_COLLECTOR_FAULT="kill_after_write:3")
-        assert p.wait(60) == -signal.SIGKILL
-        # 2-4: kill -9 at random moments
+        assert p.wait(READY_S) == -signal.SIGKILL, logs[-1].read_text()[-3000:]
+        # 2-4: kill -9 at random moments of a run that is shipping (started and storing rows)
         rnd = random.Random(4)
         for i in range(1, 4):
             logs.append(tmp_path / f"collector-{i}.log")
+            since = _stored(server_db_url)[0]
             p = _collector(ranks, server_db_url, logs[-1])
-            time.sleep(rnd.uniform(1.5, 3.0))
+            if i == 1:  # the restart after the fault settles the segments in doubt, then ships on
+                _logged(logs[-1], "already stored", p, "the restart to settle the segments in doubt")
+            _shipping(server_db_url, p, logs[-1], since)
+            time.sleep(rnd.uniform(0.0, 1.5))  # a random moment of its run
             p.send_signal(signal.SIGKILL)
-            p.wait(30)
+            assert p.wait(30) == -signal.SIGKILL, logs[-1].read_text()[-3000:]
         # 5: a clean run to the end
         logs.append(tmp_path / "collector-last.log")
+        since = _stored(server_db_url)[0]
         p = _collector(ranks, server_db_url, logs[-1])
-        time.sleep(1.5)
+        _shipping(server_db_url, p, logs[-1], since)
         ranks.stop()
-        _wait(lambda: _drained(ranks), 90, "the spool to drain")
-        time.sleep(1.0)
+        _all_stored(server_db_url, ranks, p, logs[-1])
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) == 0, logs[-1].read_text()[-3000:]
     finally:
@@ -318,14 +379,22 @@ def test_collector_started_before_its_store(tmp_path):
     log = tmp_path / "collector.log"
     p = _collector(ranks, server.url, log)
     try:
-        time.sleep(3.0)
-        assert p.poll() is None, log.read_text()[-3000:]  # still collecting
-        assert "connecting when it is up" in log.read_text()
+        _logged(log, "connecting when it is up", p, "the collector to start without its store")
+        # still collecting: its log tailer's events reach the spool while the store is down
+        outbox = ranks.spool / "_collector"
+        wait_until(
+            lambda: any(outbox.rglob("log_events.*.jsonl")),
+            READY_S,
+            f"log events in the collector's spool ({outbox})",
+            interval_s=0.1,
+            procs=[p],
+            detail=_tail(log),
+        )
+        assert p.poll() is None, log.read_text()[-3000:]
         server.start()
-        time.sleep(2.0)
-        ranks.stop()
-        _wait(lambda: _drained(ranks), 120, "the spool to drain once the server is up")
-        time.sleep(1.0)
+        _shipping(server.url, p, log, since=0)
+        ranks.stop()  # (they wrote on while it caught up)
+        _all_stored(server.url, ranks, p, log)
     finally:
         p.send_signal(signal.SIGTERM)
         rc = p.wait(60)
