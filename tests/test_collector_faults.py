@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import os
 import shutil
 import signal
@@ -405,35 +406,58 @@ def test_readers_decode_bad_bytes_already_stored(tmp_path, store_url):
 
 
 class _Writer:
-    """Rank data arriving at ``rate`` bytes/s, mostly low-value GPU samples, some steps."""
+    """Rank data arriving at no more than ``rate`` bytes/s, mostly low-value GPU samples, some steps.
+
+    A writer that falls behind (a loaded machine) does not catch up in a burst: it never writes
+    faster than ``rate``. Every write and every spool measurement is recorded with its wall time
+    (``arrivals``, ``samples``), so the test bounds the spool by what really arrived."""
 
     def __init__(self, spool: Path, rate: float) -> None:
         self.w = SpoolWriter(spool, "budget", 0, 0)
         self.spool, self.rate = spool, rate
         self.rows = {"gpu_samples": 0, "steps": 0}
-        self.peak = 0
+        self.arrivals: list[tuple[float, int]] = []  # (wall time after the write, bytes written so far)
+        self.samples: list[tuple[float, int]] = []  # (wall time, spool bytes then)
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
 
+    @property
+    def peak(self) -> int:
+        return max((b for _, b in self.samples), default=0)
+
+    def _sample(self) -> None:
+        self.samples.append((time.time(), _spool_bytes(self.spool)))
+
     def _loop(self) -> None:
         pad = "x" * 200
-        t0 = time.monotonic()
         written = 0
+        due = time.monotonic()
         while not self._stop.is_set():
             i = self.rows["gpu_samples"]
             gpu = [{"host": pad, "gpu_index": 0, "ts_ns": i + j, "job_id": "budget"} for j in range(400)]
-            p = self.w.write("gpu_samples", gpu)
-            with contextlib.suppress(OSError):
-                written += p.stat().st_size if p else 0
-            self.rows["gpu_samples"] += len(gpu)
-            s = self.rows["steps"]
-            steps = [{"job_id": "budget", "rank": 0, "step": s + j, "start_ns": 1, "end_ns": 2} for j in range(5)]
-            self.w.write("steps", steps)
-            self.rows["steps"] += len(steps)
-            while written > self.rate * (time.monotonic() - t0) and not self._stop.is_set():
-                self.peak = max(self.peak, _spool_bytes(self.spool))
+            size = 0
+            for table, rows in (
+                ("gpu_samples", gpu),
+                ("steps", [{"job_id": "budget", "rank": 0, "step": self.rows["steps"] + j, "start_ns": 1, "end_ns": 2}
+                           for j in range(5)]),
+            ):  # fmt: skip
+                p = self.w.write(table, rows)
+                with contextlib.suppress(OSError):
+                    size += p.stat().st_size if p else 0
+                self.rows[table] += len(rows)
+            written += size
+            self.arrivals.append((time.time(), written))
+            due = max(due, time.monotonic()) + size / self.rate  # late: go on from now, no burst
+            while time.monotonic() < due and not self._stop.is_set():
+                self._sample()
                 time.sleep(0.02)
-            self.peak = max(self.peak, _spool_bytes(self.spool))
+            self._sample()
+
+    def arrived(self, after: float, upto: float) -> int:
+        """Bytes written after wall time ``after`` up to ``upto`` (a write counts from when it returned)."""
+        before = max((b for t, b in self.arrivals if t <= after), default=0)
+        until = max((b for t, b in self.arrivals if t <= upto), default=0)
+        return until - before
 
     def __enter__(self) -> _Writer:
         self._t.start()
@@ -442,6 +466,21 @@ class _Writer:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._t.join(10)
+
+
+def _evictions(log: Path) -> list[float]:
+    """Wall times of the collector's budget evictions (its JSON log lines, millisecond stamps)."""
+    import calendar
+    import json
+
+    out = []
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            if "over its budget" in rec.get("msg", ""):
+                ts = rec["ts"]  # 2026-12-01T20:57:02.123Z
+                out.append(calendar.timegm(time.strptime(ts[:19], "%Y-%m-%dT%H:%M:%S")) + int(ts[20:23]) / 1000)
+    return out
 
 
 def _spool_bytes(spool: Path) -> int:
@@ -477,31 +516,60 @@ def _store_down(url: str, tmp_path: Path):
 
 def test_disk_budget_holds_as_data_arrives_while_the_store_is_down(tmp_path, store_url):
     budget = 4 * 10**6
-    rate = 1.0 * 10**6  # bytes/s into the spool
+    rate = 1.0 * 10**6  # bytes/s into the spool (at most)
+    check_s = 1.0  # spool_check_interval_s
     spool = tmp_path / "spool"
     with _store_down(store_url, tmp_path) as (url, ctl):
         log = tmp_path / "collector.log"
-        p = _collector(url, spool, log, spool_max_bytes=budget, spool_min_free_bytes=0)
+        p = _collector(url, spool, log, spool_max_bytes=budget, spool_min_free_bytes=0, spool_check_interval_s=check_s)
         try:
             _ready(url, spool)
             ctl["down"]()
+            down_at = time.time()
             with _Writer(spool, rate) as w:
                 time.sleep(20)  # passes back off for seconds by now; data keeps arriving
-            peak = w.peak
             ctl["up"]()
             _wait(lambda: not _pending(spool, "budget"), 120, "the spool to drain after the store came back")
-            time.sleep(1.0)
+            _wait(
+                lambda: _q(url, "SELECT count() FROM steps WHERE job_id = 'budget'")[0][0] >= w.rows["steps"],
+                120,
+                "the last steps in the store",
+            )
         finally:
             _stop(p, log)
         # lowest-value data went first: every step arrived once; every GPU sample is stored or counted
         steps = _q(url, "SELECT count(), uniqExact(step) FROM steps WHERE job_id = 'budget'")
         (stored,) = _q(url, "SELECT count() FROM gpu_samples WHERE job_id = 'budget'")[0]
         dropped = _q(url, "SELECT sum(count) FROM drops WHERE what = 'spool_budget:gpu_samples'")[0][0] or 0
+    evictions = [t for t in _evictions(log) if t >= down_at]
+    marks = [down_at, *evictions]  # the spool's history in intervals: store down, eviction 1, 2, ...
+    # over the budget: from the first measurement over it to the eviction that ended it (or the end)
+    over = []
+    for k, end in enumerate([*evictions, w.samples[-1][0]]):
+        first = next((t for t, size in w.samples if marks[k] < t <= end and size > budget), None)
+        if first is not None:
+            over.append(round(end - first, 2))
+    between = [round(w.arrived(a, b) / 1e6, 2) for a, b in itertools.pairwise(evictions)]
     print(
-        f"budget {budget / 1e6:.1f} MB, data at {rate / 1e6:.1f} MB/s for 20 s while the store was down: "
-        f"spool peak {peak / 1e6:.1f} MB; {dropped} of {w.rows['gpu_samples']} GPU samples evicted and counted"
+        f"budget {budget / 1e6:.1f} MB, data at <= {rate / 1e6:.1f} MB/s for 20 s while the store was down: "
+        f"spool peak {w.peak / 1e6:.1f} MB; {len(evictions)} evictions (arrivals between them {between} MB), "
+        f"over the budget for {over} s; {dropped} of {w.rows['gpu_samples']} GPU samples evicted and counted"
     )
-    # a check every second (its own thread, whatever the passes do): about 1 s of arrivals over, plus slack
-    assert peak <= budget + 2.5 * rate, f"spool peaked at {peak / 1e6:.1f} MB over a {budget / 1e6:.0f} MB budget"
+    assert len(evictions) >= 3, (
+        f"{len(evictions)} evictions in 20 s of data over the budget:\n{log.read_text()[-3000:]}"
+    )
+    # The bound follows what arrived: at time t after eviction k, the spool holds what check k kept
+    # (within the budget) plus what arrived since check k listed the spool, which was after eviction
+    # k-1 (the checks run one after another, in one thread).
+    for t, size in w.samples:
+        k = sum(1 for e in evictions if e <= t)  # evictions done by t
+        bound = budget + w.arrived(marks[k - 1], t) if k else size  # before the first: what arrived
+        assert size <= bound, (
+            f"spool at {size / 1e6:.2f} MB {t - evictions[k - 1]:.2f} s after eviction {k}: over the "
+            f"{budget / 1e6:.0f} MB budget plus the {(bound - budget) / 1e6:.2f} MB that arrived since the check before"
+        )
+    # and the checks ran as data arrived (every spool_check_interval_s, scheduling allowing), not only
+    # at the backed-off passes (0.1 s doubling: 3.2, 6.4, 12.8 s apart within these 20 s)
+    assert max(over) <= 2.5 * check_s, f"the spool stayed over its budget for {over} s"
     assert steps == [(w.rows["steps"],) * 2]
     assert dropped > 0 and stored + dropped == w.rows["gpu_samples"], (stored, dropped, w.rows)
