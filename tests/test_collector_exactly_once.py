@@ -379,29 +379,29 @@ def test_collector_started_before_its_store(tmp_path):
     log = tmp_path / "collector.log"
     p = _collector(ranks, server.url, log)
     try:
-        _logged(log, "connecting when it is up", p, "the collector to start without its store")
-        # still collecting: its log tailer's events reach the spool while the store is down
-        outbox = ranks.spool / "_collector"
-        wait_until(
-            lambda: any(outbox.rglob("log_events.*.jsonl")),
-            READY_S,
-            f"log events in the collector's spool ({outbox})",
-            interval_s=0.1,
-            procs=[p],
-            detail=_tail(log),
-        )
-        assert p.poll() is None, log.read_text()[-3000:]
-        server.start()
-        _shipping(server.url, p, log, since=0)
-        ranks.stop()  # (they wrote on while it caught up)
-        _all_stored(server.url, ranks, p, log)
-    finally:
-        p.send_signal(signal.SIGTERM)
-        rc = p.wait(60)
-        ranks.stop()
-    try:
+        try:
+            _logged(log, "connecting when it is up", p, "the collector to start without its store")
+            # still collecting: its log tailer's events reach the spool while the store is down
+            outbox = ranks.spool / "_collector"
+            wait_until(
+                lambda: any(outbox.rglob("log_events.*.jsonl")),
+                READY_S,
+                f"log events in the collector's spool ({outbox})",
+                interval_s=0.1,
+                procs=[p],
+                detail=_tail(log),
+            )
+            assert p.poll() is None, log.read_text()[-3000:]
+            server.start()
+            _shipping(server.url, p, log, since=0)
+            ranks.stop()  # (they wrote on while it caught up)
+            _all_stored(server.url, ranks, p, log)
+        finally:
+            p.send_signal(signal.SIGTERM)
+            rc = p.wait(60)
+            ranks.stop()
         assert rc == 0, log.read_text()[-3000:]
         n, events = _check_exactly_once(server.url, ranks)
     finally:
-        server.stop()
+        server.stop()  # (also when the test failed: no server left behind)
     print(f"collector before store: {n} collective rows, {events} log events, exactly once")
