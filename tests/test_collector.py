@@ -223,13 +223,18 @@ def test_parse_bytes_and_budget_errors():
 def test_two_shippers_on_one_spool_never_send_a_segment_twice(tmp_path, embedded_store):
     import threading
 
+    results = {}
+
     class Slow:
-        """The store takes its time: both shippers would read the same segments before either deletes."""
+        """The store answers only once the other shipper has had its go (or after 60 s): both
+        shippers would read the same segments before either deletes, whatever the threads' pace."""
 
         url, backend = embedded_store.url, embedded_store.backend
 
         def write_many(self, batches):
-            time.sleep(0.3)
+            deadline = time.monotonic() + 60
+            while not results and time.monotonic() < deadline:
+                time.sleep(0.01)
             return embedded_store.write_many(batches)
 
         def query(self, sql):
@@ -239,7 +244,6 @@ def test_two_shippers_on_one_spool_never_send_a_segment_twice(tmp_path, embedded
     for k in range(10):
         w.write("collectives", _rows(5, start=10 * k))
     a, b = Shipper(tmp_path / "spool", Slow(), host="a"), Shipper(tmp_path / "spool", Slow(), host="b")
-    results = {}
     threads = [
         threading.Thread(target=lambda s=s, n=n: results.update({n: s.ship_once()})) for n, s in (("a", a), ("b", b))
     ]

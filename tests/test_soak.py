@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._sync import wait_until
 from tests.test_collector_exactly_once import Server, _free_port, _need_clickhouse_server
 from tests.test_collector_faults import LONE_SURROGATE_ROW, _pending, _raw_segment
 
@@ -42,7 +43,8 @@ RSS_BOUND_MB = 400  # the collector's peak resident memory, whatever the log thr
 ERR = "NCCL WARN Call to ibv_reg_mr failed with error Cannot allocate memory"
 STORM_ERR = "RuntimeError: CUDA error: an illegal memory access was encountered"
 BIG_LINE = 100 * 10**6
-pytestmark = [pytest.mark.server, pytest.mark.e2e, pytest.mark.timeout(330)]
+READY_S = 180.0  # readiness deadlines: generous, a loaded machine starts a collector in tens of seconds
+pytestmark = [pytest.mark.server, pytest.mark.e2e, pytest.mark.timeout(900)]  # (a hang guard)
 
 TRAIN = """
 import sys, time
@@ -171,12 +173,12 @@ def _ranks(spool: Path, tmp: Path, steps: int) -> list[subprocess.Popen]:
     return procs
 
 
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
+def _count(path: Path, *needles: str) -> int:
+    text = path.read_text() if path.exists() else ""
+    return sum(text.count(n) for n in needles)
+
+
+OUTAGE = ("store unavailable", "is unavailable")  # a running collector's pass / a starting one's open
 
 
 def test_soak_everything_at_once(tmp_path):
@@ -198,29 +200,56 @@ def test_soak_everything_at_once(tmp_path):
         ranks = _ranks(spool, tmp_path, steps)
         log.start()
         chaos_done = threading.Event()
+        chaos_failed: list[BaseException] = []
+        wait_until(
+            lambda: any(spool.glob("soak/*/rank-*/*.jsonl")),
+            READY_S,
+            "the ranks' first spool segments",
+            interval_s=0.2,
+            procs=ranks,
+            detail=lambda: "\n".join((tmp_path / f"rank-{r}.out").read_text()[-1500:] for r in range(2)),
+        )
 
         def chaos() -> None:
+            try:
+                _chaos()
+            except BaseException as e:  # (fails the test from the main thread)
+                chaos_failed.append(e)
+            finally:
+                chaos_done.set()
+
+        def _chaos() -> None:
             nonlocal outages
-            time.sleep(SOAK_S * 0.15)
+            time.sleep(SOAK_S * 0.15)  # the chaos is paced from the job's start
             _raw_segment(spool / "bad_" / "0" / "rank-0" / "steps.1.00000001.jsonl", "steps", [LONE_SURROGATE_ROW])
             row = b'{"job_id":"j\xffbad","rank":1,"step":0,"start_ns":1,"end_ns":2}'
             _raw_segment(spool / "bad_" / "0" / "rank-1" / "steps.1.00000001.jsonl", "steps", [row])
             log.storm(SOAK_S * 0.1)
             time.sleep(SOAK_S * 0.05)
+            seen = _count(clog, *OUTAGE)
             server.stop()  # mid-run: inserts in flight fail, the ranks and the log keep writing
             outages += 1
             time.sleep(SOAK_S * 0.15)
+            wait_until(lambda: _count(clog, *OUTAGE) > seen, READY_S, "a collector to see the server's outage")
             server.start()
             log.big_line()
             log.storm(SOAK_S * 0.05)
-            chaos_done.set()
 
         chaos_thread = threading.Thread(target=chaos, daemon=True)
         chaos_thread.start()
         # kill -9 the collector at random moments while the job runs
         while any(p.poll() is None for p in ranks) or not chaos_done.is_set():
+            started = _count(clog, "Ctrl-C to stop")
             c = _collector(server.url, spool, logs, clog)
-            until = time.monotonic() + rnd.uniform(2.0, 6.0)
+            wait_until(  # up (its first line), then killed at a random moment of its run
+                lambda n=started: _count(clog, "Ctrl-C to stop") > n,
+                READY_S,
+                "the collector's first line",
+                interval_s=0.1,
+                procs=[c],
+                detail=lambda: clog.read_text()[-3000:],
+            )
+            until = time.monotonic() + rnd.uniform(0.5, 4.0)
             while time.monotonic() < until:
                 rss_peak = max(rss_peak, _rss_mb(c.pid))
                 time.sleep(0.1)
@@ -228,6 +257,8 @@ def test_soak_everything_at_once(tmp_path):
             c.wait(30)
             kills += 1
         chaos_thread.join(60)
+        if chaos_failed:
+            raise chaos_failed[0]
         log.stop()
         log.mark()  # the last numbered line, written after everything else
         rcs = [p.wait(60) for p in ranks]
@@ -237,15 +268,25 @@ def test_soak_everything_at_once(tmp_path):
             store = open_store(server.url, create=False)
 
             def drained() -> bool:
+                """The spool drained, every numbered line and every storm repeat arrived."""
                 nonlocal rss_peak
                 rss_peak = max(rss_peak, _rss_mb(c.pid))
                 if _pending(spool):
                     return False
-                (n,) = store.query(f"SELECT count() FROM log_events WHERE message LIKE '%#{log.marks - 1}'").rows()[0]
-                return n > 0
+                (marks, storm) = store.query(
+                    f"SELECT uniqExactIf(message, message LIKE '{ERR} #%'), "
+                    "sumIf(repeat_count, message LIKE '%illegal memory access%') FROM log_events"
+                ).rows()[0]
+                return marks >= log.marks and storm >= log.storm_repeats
 
-            _wait(drained, 150, "the spool to drain and the last log line to arrive")
-            time.sleep(1.0)
+            wait_until(
+                drained,
+                READY_S,
+                f"the spool to drain, {log.marks} numbered log lines and {log.storm_repeats} storm repeats to arrive",
+                interval_s=0.2,
+                procs=[c],
+                detail=lambda: clog.read_text()[-3000:],
+            )
         finally:
             c.send_signal(signal.SIGTERM)
             rc_last = c.wait(60)
