@@ -339,7 +339,7 @@ def _cpu_s(pid: int) -> float:
 COLLECTOR_PEAK_RSS_MB = 300
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)  # a hang guard: the readiness waits below are generous on a loaded machine
 @pytest.mark.parametrize("backend", ["embedded", pytest.param("server", marks=pytest.mark.server)])
 def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines_flowing(
     tmp_path, logs, backend, request
@@ -390,7 +390,7 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
         finally:
             s.close()
 
-    def wait_for(cond, what: str, timeout: float = 60.0) -> float:
+    def wait_for(cond, what: str, timeout: float = 240.0) -> float:
         t0 = time.monotonic()
         while not cond():
             assert proc.poll() is None, err_log.read_text()[-3000:]
@@ -413,7 +413,7 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
         took = time.monotonic() - t0
         peak_kb, cpu = _vm_kb(proc.pid, "VmHWM"), _cpu_s(proc.pid) - cpu0
         msgs = messages()
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
