@@ -92,6 +92,20 @@ class _HyperscanScanner:
         return {k: tuple(v) for k, v in out.items()}
 
 
+def bracket_end(pattern: str, i: int) -> int:
+    """Index of the ``]`` closing the bracket expression that opens at ``pattern[i]`` (``[^]...]``
+    and ``[]...]`` included; escapes skipped), or ``len(pattern)`` when it is not closed."""
+    n = len(pattern)
+    j = i + 1
+    if j < n and pattern[j] == "^":
+        j += 1
+    if j < n and pattern[j] == "]":
+        j += 1
+    while j < n and pattern[j] != "]":
+        j += 2 if pattern[j] == "\\" else 1
+    return min(j, n)
+
+
 def _top_level_alternatives(pattern: str) -> list[str]:
     """``a|b(?:c|d)|[|]`` -> ``["a", "b(?:c|d)", "[|]"]``: split at ``|`` outside groups, brackets
     and escapes (the union matches exactly what the pattern matches)."""
@@ -106,14 +120,7 @@ def _top_level_alternatives(pattern: str) -> list[str]:
             i += 2
             continue
         if ch == "[":
-            j = i + 1
-            if j < n and pattern[j] == "^":
-                j += 1
-            if j < n and pattern[j] == "]":
-                j += 1
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            i = j + 1
+            i = bracket_end(pattern, i) + 1
             continue
         if ch == "(":
             depth += 1

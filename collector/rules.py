@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ranklens.collector._scan import bracket_end
 from ranklens.errors import ConfigError
 
 __all__ = [
@@ -688,13 +689,7 @@ def pattern_to_ere(pattern: str, *, ignore_case: bool = False) -> str:
             out.append("(")
             i += 3
         elif ch == "[":
-            j = i + 1
-            if j < n and pattern[j] == "^":
-                j += 1
-            if j < n and pattern[j] == "]":
-                j += 1
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
+            j = bracket_end(pattern, i)
             body = pattern[i + 1 : j].replace("\\d", "0-9").replace("\\", "")
             if ignore_case:
                 body = "".join(c + c.swapcase() if c.isalpha() and c.swapcase() not in body else c for c in body)
