@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from ranklens.cli import cli
+from tests._sync import wait_for_file
 from tests.helpers import synthetic_job
 
 SCRIPT = Path(__file__).with_name("hang_job.py")
@@ -70,7 +71,7 @@ def test_follow_started_before_the_job_waits_for_it(tmp_path):
 
         store = open_store(url)  # the store appears, still without the job
         _until(
-            lambda: any("waiting for job job-synth to write its first records" in e for e in err), 30, "the job", proc
+            lambda: any("waiting for job job-synth to write its first records" in e for e in err), 120, "the job", proc
         )
         assert proc.poll() is None, "".join(err)
         store.write_many(synthetic_job(slow_rank=3))
@@ -84,6 +85,7 @@ def test_follow_started_before_the_job_waits_for_it(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(600)
 def test_hang_seen_live_is_reported_after_the_job_by_analyze_job(tmp_path):
     from ranklens.collector import Shipper
     from ranklens.store import open_store
@@ -122,6 +124,9 @@ def test_hang_seen_live_is_reported_after_the_job_by_analyze_job(tmp_path):
         return [e["finding"] for e in parsed if e["event"] == event and e["finding"]["kind"] == kind]
 
     try:
+        # readiness: four ranks start on a loaded machine and rank 2 reaches its fault (the marker);
+        # only then does the detection deadline start
+        wait_for_file(tmp_path / "fault", 300, "rank 2 to start its hang at step 3", procs=ranks, interval_s=0.2)
         _until(lambda: seen("new", "hang"), 90, "analyze --follow to report the hang", follow)
         [hang] = seen("new", "hang")
         assert [s["rank"] for s in hang["suspects"]] == [2]
