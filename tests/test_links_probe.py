@@ -202,9 +202,9 @@ def test_findings_round_trip_through_the_store_with_their_links(embedded_store):
 def test_probe_across_hosts_each_with_its_own_network_and_tmp(tmp_path):
     """issue 22 #11: with a remote launcher (ssh, srun) each worker is on another host, with its own
     /tmp and its own ports. Here every node is a network namespace of a real bed and the launcher
-    template also gives each worker a private, empty tmpfs on /tmp: the plan must reach the workers
-    inline, the results come back over their stdout, and the rendezvous port is bound on the first
-    node (the caller's ports mean nothing there). Before, the workers failed with
+    template also hides the caller's TMPDIR from each worker (a private, empty tmpfs): the plan
+    must reach the workers inline, the results come back over their stdout, and the rendezvous
+    port is bound on the first node (the caller's ports mean nothing there). Before, the workers failed with
     ``FileNotFoundError: .../plan.json``."""
     import json
     import subprocess
@@ -216,21 +216,31 @@ def test_probe_across_hosts_each_with_its_own_network_and_tmp(tmp_path):
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
+    import os
+    import shutil
+    import tempfile
+
+    # The caller's temporary directory (TMPDIR) is hidden from every worker by a private, empty
+    # tmpfs mounted over it, as another host's /tmp would be. Not /tmp itself: the interpreter
+    # (a checkout's .venv) may live under /tmp, and a worker must still be able to start it.
+    caller_tmp = tempfile.mkdtemp(prefix="ranklens-probe-caller-", dir="/var/tmp")
     bed = NetBed(3, prefix=f"rlp{uuid.uuid4().hex[:5]}", subnet="10.79.0").up()
     try:
         template = (
             f"ip netns exec {bed.prefix}-{{node}} env GLOO_SOCKET_IFNAME=veth0 "
             "unshare --mount --propagation private "
-            'sh -c \'mount -t tmpfs ranklens-probe-tmp /tmp && test -z "$(ls -A /tmp)" && exec "$@"\' {node}'
+            f'sh -c \'mount -t tmpfs ranklens-probe-tmp {caller_tmp} && test -z "$(ls -A {caller_tmp})" '
+            '&& exec "$@"\' {node}'
         )
         addresses = [f"--address=n{k}={bed.address(k)}" for k in range(3)]
         r = subprocess.run(
             [sys.executable, "-m", "ranklens.cli", "probe", "--pair", "n0:n1", "--reference", "n1:n2",
              *addresses, "--launcher", template, "--bytes", "1MiB", "--iters", "2", "--timeout", "150", "--json"],
-            capture_output=True, text=True, timeout=200, cwd=tmp_path,
+            capture_output=True, text=True, timeout=200, cwd=tmp_path, env={**os.environ, "TMPDIR": caller_tmp},
         )  # fmt: skip
     finally:
         bed.down()
+        shutil.rmtree(caller_tmp, ignore_errors=True)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert sorted((x["src"], x["dst"], x["role"]) for x in report["results"]) == [
