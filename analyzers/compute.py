@@ -23,10 +23,19 @@ __all__ = ["ComputeMatrix", "compute_matrix", "compute_sql", "phase_compute_sql"
 
 
 def _waits_subquery(job_id: str, attempt: int, min_step: int = 0) -> str:
+    # A collective with no completion time (end_ns = 0: one only torch's flight-recorder ring saw,
+    # e.g. a DTensor/functional collective on gloo) cannot have completed before its group's last
+    # member arrived: that arrival stands for its completion, so a rank waiting for a late peer is
+    # still seen blocked (taking its own arrival instead made the wait vanish, and the straggler with it).
+    where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
     return (
-        "SELECT rank, step, groupArray(enter_ns) AS enters, groupArray(if(end_ns > 0, end_ns, enter_ns)) AS ends, "
+        "SELECT rank, step, groupArray(enter_ns) AS enters, "
+        "groupArray(if(end_ns > 0, end_ns, greatest(last_enter_ns, enter_ns))) AS ends, "
         "groupArray(async_op) AS asyncs "
-        f"FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= {int(min_step)} "
+        f"FROM (SELECT rank, step, pg, seq, enter_ns, end_ns, async_op FROM collectives "
+        f"WHERE {where} AND step >= {int(min_step)}) AS cc "
+        "ALL LEFT JOIN (SELECT pg, seq, max(enter_ns) AS last_enter_ns FROM collectives "
+        f"WHERE {where} AND end_ns = 0 GROUP BY pg, seq) AS lg USING (pg, seq) "
         "GROUP BY rank, step"
     )
 

@@ -102,3 +102,17 @@ def test_findings_keep_a_stable_identity(store):
 def test_detector_validates_its_thresholds():
     with pytest.raises(ValueError, match="persistence"):
         PersistentBlameDetector(persistence=0)
+
+
+def test_collectives_without_completion_times_still_name_the_slow_rank(store):
+    # Collectives only torch's flight-recorder ring saw (DTensor / functional collectives on gloo)
+    # carry end_ns = 0: the group's last arrival stands for their completion, so the ranks that
+    # waited for a late peer are seen blocked and the late one computing (it named nobody before).
+    rows = synthetic_job(slow_rank=2, slow_from=5, extra_s=0.05, steps=20)
+    for c in rows["collectives"]:
+        c["end_ns"] = 0
+    _load(store, rows)
+    (f,) = find_stragglers(store, "job-synth")
+    assert [s.rank for s in f.suspects] == [2]
+    assert f.first_seen_step == 5
+    assert f.evidence["excess_per_step_s"] == pytest.approx(0.05, abs=0.006)
