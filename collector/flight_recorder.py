@@ -53,6 +53,7 @@ from typing import Any
 
 from ranklens.errors import IngestError
 from ranklens.store.api import Store
+from ranklens.store.once import write_once
 
 __all__ = [
     "FRDump",
@@ -895,4 +896,19 @@ def ingest_flight_recorder(
         except ValueError as e:  # e.g. a value beyond Int64 in a corrupt dump
             raise IngestError(d.source_path, "collectives", str(e)) from None
     groups = to_arrow("process_groups", to_process_group_rows(dumps, job, attempt, world_size))
-    return store.write_many({"collectives": pa.concat_tables(parts), "process_groups": groups})
+    # the same dumps ingested again (same content, job and attempt) are not written twice
+    key = [b"flight-recorder", job.encode(), str(attempt).encode(), str(world_size).encode()]
+    key += sorted(_content_digest(d.source_path) for d in dumps)
+    written, _already = write_once(store, {"collectives": pa.concat_tables(parts), "process_groups": groups}, key)
+    return written
+
+
+def _content_digest(path: str | Path) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError:
+        h.update(str(path).encode())
+    return h.digest()

@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 from ranklens.errors import IngestError
 from ranklens.records import to_arrow
 from ranklens.store.api import Store
+from ranklens.store.once import write_once
 
 __all__ = ["ingest_kineto", "is_kineto_file", "iter_kineto_batches", "kineto_info"]
 
@@ -202,9 +203,21 @@ def ingest_kineto(
         for _batch in iter_kineto_batches(f, job_id=job_id or _default_job_id(f), attempt=attempt, rank=rank):
             pass
     total = 0
-    for f in files:  # pass 2: write
-        for batch in iter_kineto_batches(f, job_id=job_id or _default_job_id(f), attempt=attempt, rank=rank):
-            total += store.write("trace_events", batch)
+    for f in files:  # pass 2: write; a batch the store holds already (the same trace ingested before) is skipped
+        job = job_id or _default_job_id(f)
+        key = [b"kineto", _content_digest(f), job.encode(), str(attempt).encode(), str(rank).encode()]
+        batches = iter_kineto_batches(f, job_id=job, attempt=attempt, rank=rank)
+        for i, batch in enumerate(batches):
+            written, _already = write_once(store, {"trace_events": batch}, [*key, str(i).encode()])
+            total += written.get("trace_events", 0)
         if progress:
             progress(f)
     return {"trace_events": total}
+
+
+def _content_digest(path: Path) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.digest()

@@ -26,8 +26,9 @@ from typing import Any
 
 from ranklens.errors import IngestError
 from ranklens.records import arrow_schema, check_value, to_arrow
-from ranklens.schema import INGEST_ID, TABLES
+from ranklens.schema import TABLES
 from ranklens.store.api import Store
+from ranklens.store.once import stamp, stored_ingest_rows
 from ranklens.tracing.spool import SPOOL_FORMAT, SPOOL_VERSION  # one format: spool segments are ingestable
 
 __all__ = ["FORMATS", "file_ingest_id", "ingest_paths", "read_file", "read_jsonl", "read_parquet"]
@@ -247,19 +248,6 @@ def file_ingest_id(path: str | Path, table: str) -> int:
     return (int.from_bytes(h.digest(), "little") & (2**63 - 1)) or 1
 
 
-def _stored_rows(store: Store, table: str, ids: Sequence[int]) -> dict[int, int]:
-    """Rows per ``ingest_id`` that the store already holds."""
-    found: dict[int, int] = {}
-    for i in range(0, len(ids), 1000):
-        chunk = ", ".join(str(int(x)) for x in ids[i : i + 1000])
-        res = store.query(
-            f"SELECT {INGEST_ID} AS id, count() AS n FROM {table} WHERE {INGEST_ID} IN ({chunk}) GROUP BY id"
-        )
-        for id_, n in res.rows():
-            found[int(id_)] = int(n)
-    return found
-
-
 def ingest_paths(
     store: Store,
     paths: Sequence[str | Path],
@@ -281,15 +269,14 @@ def ingest_paths(
     for p in expand(paths):
         name, data = read_file(p, fmt, table)
         iid = file_ingest_id(p, name)
-        col = pa.array([iid] * data.num_rows, type=pa.uint64())
-        data = data.set_column(data.column_names.index(INGEST_ID), INGEST_ID, col)
+        data = stamp(data, iid)
         if data.num_rows:
             files.setdefault(name, {})[iid] = data
         if progress:
             progress(p)
     merged: dict[str, Any] = {}
     for name, by_id in files.items():
-        stored = _stored_rows(store, name, sorted(by_id))
+        stored = stored_ingest_rows(store, name, sorted(by_id))
         partial = [i for i, n in stored.items() if 0 < n < by_id[i].num_rows]
         if partial:  # an ingest interrupted half-way (a server applies a block atomically; several blocks not)
             discard = getattr(store, "discard_ingest", None)

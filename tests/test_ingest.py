@@ -209,3 +209,39 @@ def test_reingest_after_a_partial_write_discards_and_writes_again(tmp_path, stor
     store.write("collectives", part)  # an ingest interrupted after one of the file's rows
     assert ingest_paths(store, [p]) == {"collectives": 3}
     assert store.query("SELECT count(), uniqExact(rank) FROM collectives").rows() == [(3, 3)]
+
+
+def test_reingesting_kineto_traces_and_flight_recorder_dumps_writes_their_rows_once(tmp_path, store):
+    """issue 22 #10, the other formats: a Kineto trace or a set of flight-recorder dumps ingested a
+    second time is skipped (batches stamped with an ingest_id from content, job and attempt)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = Path(__file__).with_name("data")
+    trace = data / "kineto" / "sampled_rank-0.json.gz"
+    dumps = data / "flight_recorder" / "healthy" / "fr_json"
+
+    def ingest(*args: str) -> None:
+        r = subprocess.run(
+            [sys.executable, "-m", "ranklens.cli", "ingest", "--store", store.url, *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+
+    def counts() -> tuple[int, int, int]:
+        return tuple(
+            store.query(f"SELECT count() FROM {t}").scalar() for t in ("trace_events", "collectives", "process_groups")
+        )
+
+    ingest("--job", "k", str(trace))
+    ingest("--format", "flight-recorder", "--job", "fr", str(dumps))
+    first = counts()
+    assert all(n > 0 for n in first), first
+    ingest("--job", "k", str(trace))
+    ingest("--format", "flight-recorder", "--job", "fr", str(dumps))
+    assert counts() == first
+    ingest("--job", "k2", str(trace))  # the same trace filed under another job is that job's data
+    assert counts()[0] == 2 * first[0]
