@@ -613,8 +613,9 @@ def ingest(
     (.json or .json.gz, streamed). The format is detected when --format is omitted.
 
     Every file is validated before anything is written: a malformed file is named with its
-    line/row (or event) and field, and nothing is written. JSON Lines / Parquet files are
-    ingested once: a file whose rows are already in the store (same table and content) is skipped.
+    line/row (or event) and field, and nothing is written. Everything is ingested once: a file
+    (or a trace's batch, or a set of dumps) whose rows are already in the store, from the same
+    content under the same job, is skipped.
     """
     from ranklens.ingest import expand, ingest_paths
 

@@ -13,6 +13,11 @@ INTRO = """# The open ingest format
 Each file holds records of **one table**, as JSON Lines or Parquet. Every file is read and
 validated before anything is written: a malformed file is reported with its line (JSONL) or
 row (Parquet) and the field, the command exits with code 6, and the store is untouched.
+Ingesting is idempotent: a file's rows carry an `ingest_id` hashed from its table and content,
+and a file whose rows the store already holds (under any name) is skipped and said so; a file
+the store holds in part (an ingest interrupted between blocks) is discarded and written again.
+Kineto traces and flight-recorder dumps are stamped the same way (from their content, job and
+attempt).
 
 ## JSON Lines
 
