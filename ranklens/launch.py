@@ -12,20 +12,19 @@ warning; a store that is down is the CLI's business (it ships once the store is 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import subprocess
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ranklens.collector import Shipper
 from ranklens.collector.shipper import ShipResult
+from ranklens.collector.shipper import hold_collector_lock as collector_lock  # the node agent's own lock
 from ranklens.config import ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL
 from ranklens.errors import ConfigError
 from ranklens.store.api import Store
@@ -57,22 +56,6 @@ def spool_problem(spool_dir: str | os.PathLike[str]) -> str | None:
     except OSError as e:
         return f"{type(e).__name__}: {e.strerror or e}"
     return None
-
-
-@contextlib.contextmanager
-def collector_lock(spool_dir: str | os.PathLike[str]) -> Iterator[bool]:
-    """Yield True when this process became the spool's collector, False when another one is."""
-    Path(spool_dir).mkdir(parents=True, exist_ok=True)
-    with open(Path(spool_dir) / ".collector.lock", "a+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def traced_env(base: dict[str, str], *, job_id: str, spool_dir: str) -> dict[str, str]:
