@@ -63,7 +63,7 @@ def predict_lines(lines: Sequence[str], lf: LogFilter | None = None) -> list[str
 
 @dataclass
 class ClassScore:
-    """Counts for one class; ``tp`` and ``fp`` are over predictions, ``support`` over labels."""
+    """Counts for one class: ``support``/``found`` over labels, ``predicted``/``correct`` over predictions."""
 
     support: int = 0
     found: int = 0

@@ -17,10 +17,10 @@ from ranklens.errors import IngestError
 from ranklens.schema import INGEST_ID
 from ranklens.store.api import Store
 
-__all__ = ["ingest_id_of", "stamp", "stored_ingest_rows", "write_once"]
+__all__ = ["key_ingest_id", "stamp", "stored_ingest_rows", "write_once"]
 
 
-def ingest_id_of(parts: Iterable[bytes]) -> int:
+def key_ingest_id(parts: Iterable[bytes]) -> int:
     """63 bits of BLAKE2b over ``parts`` (never 0: 0 means "not stamped")."""
     h = hashlib.blake2b(digest_size=8)
     for p in parts:
@@ -61,7 +61,7 @@ def write_once(store: Store, batches: Mapping[str, Any], key: Sequence[bytes]) -
     for table, data in batches.items():
         if data.num_rows == 0:
             continue
-        iid = ingest_id_of([*key, table.encode()])
+        iid = key_ingest_id([*key, table.encode()])
         n = stored_ingest_rows(store, table, [iid]).get(iid, 0)
         if n == data.num_rows:
             already[table] = n
