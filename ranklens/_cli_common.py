@@ -36,7 +36,9 @@ def store_flag(url: str) -> str:
     the store then takes from ``$RANKLENS_STORE_PASSWORD`` (see :func:`password_note`)."""
     import shlex
 
-    return f" --store {shlex.quote(url.replace(':***@', '@', 1))}"
+    from ranklens.store.server import hint_url
+
+    return f" --store {shlex.quote(hint_url(url))}"
 
 
 def password_note(url: str) -> str | None:

@@ -22,7 +22,13 @@ from ranklens.records import arrow_schema, decode_replacing, to_arrow
 from ranklens.schema import META_TABLE, SCHEMA_VERSION, render_server_ddl, table
 from ranklens.store.api import QueryResult
 
-__all__ = ["ServerConfig", "ServerStore", "redact_url"]
+__all__ = ["ServerConfig", "ServerStore", "hint_url", "redact_url"]
+
+
+def hint_url(printable_url: str) -> str:
+    """A store's printable URL (password shown as ``***``) as a hint can carry it: without the
+    password, which the store then takes from ``$RANKLENS_STORE_PASSWORD``."""
+    return printable_url.replace(":***@", "@", 1)
 
 
 def redact_url(url: str) -> str:
@@ -265,7 +271,7 @@ class ServerStore:
             older = found.isdigit() and int(found) < SCHEMA_VERSION
             hint = (
                 "upgrade it (every row is kept) with "
-                f"`ranklens schema --migrate --store {self.url.replace(':***@', '@')}`"
+                f"`ranklens schema --migrate --store {hint_url(self.url)}`"
                 + (f" (password from ${_password_env()})" if self.config.password else "")
                 if older
                 else "use a matching ranklens release"
