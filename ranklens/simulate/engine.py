@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ranklens.simulate.model import Layout, ResolvedFault, SimParams
+
 if TYPE_CHECKING:
     import pyarrow as pa
-
-    from ranklens.simulate import Layout, ResolvedFault, SimParams
 
 __all__ = ["OPS", "PHASES", "Engine"]
 
