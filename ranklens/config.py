@@ -9,6 +9,7 @@ from ranklens.errors import ConfigError
 __all__ = [
     "DEFAULT_STORE_DIR",
     "ENV_ATTEMPT",
+    "ENV_COLLECTOR_FAULT",
     "ENV_DISABLE",
     "ENV_HOST",
     "ENV_JOB_ID",
@@ -27,6 +28,7 @@ ENV_JOB_ID = "RANKLENS_JOB_ID"
 ENV_ATTEMPT = "RANKLENS_ATTEMPT"
 ENV_DISABLE = "RANKLENS_DISABLE"
 ENV_HOST = "RANKLENS_HOST"
+ENV_COLLECTOR_FAULT = "RANKLENS_COLLECTOR_FAULT"  # the collector's fault drill (collector/fault_drill.py)
 
 DEFAULT_STORE_DIR = "ranklens-store"
 DEFAULT_SPOOL_DIR = "/tmp/ranklens-spool"
