@@ -39,7 +39,7 @@ from functools import cmp_to_key
 from typing import Any
 
 from ranklens.analyzers.findings import Finding, Severity, Suspect, finding_id
-from ranklens.collector.flight_recorder import (
+from ranklens.formats.flight_recorder import (
     FRDump,
     FREntry,
     ProcessGroupInfo,
@@ -409,7 +409,7 @@ def analyze_flight_recorder(
         dumps: one dump per rank (see :func:`ranklens.collector.flight_recorder.read_dumps`);
             ranks that left no dump are absent.
         world_size: the number of ranks; default: inferred from the dumps' process-group tables
-            and group sizes (see :func:`~ranklens.collector.flight_recorder.infer_process_groups`).
+            and group sizes (see :func:`~ranklens.formats.flight_recorder.infer_process_groups`).
         job_id: the job, for the findings' ids.
         attempt: the restart attempt, for the findings' ids.
         unreadable: dumps that could not be read (truncated, corrupt): their ranks exist, but

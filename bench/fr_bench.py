@@ -26,7 +26,7 @@ import time
 from collections import defaultdict
 
 from ranklens.analyzers.hangs import analyze_flight_recorder
-from ranklens.collector.flight_recorder import FRDump, FREntry
+from ranklens.formats.flight_recorder import FRDump, FREntry
 
 T0 = 1_796_000_000_000_000_000
 STEP = (  # (group role, op, input sizes, dtype)

@@ -478,7 +478,8 @@ def _analyze_flight_recorder(
 ) -> None:
     from ranklens.analyzers import save_findings
     from ranklens.analyzers.hangs import analyze_flight_recorder, steps_from_store
-    from ranklens.collector.flight_recorder import infer_job_id, infer_world_size, job_from_path, read_dumps
+    from ranklens.collector.flight_recorder import infer_job_id, job_from_path, read_dumps
+    from ranklens.formats.flight_recorder import infer_world_size
     from ranklens.errors import IngestError
 
     dumps, unreadable = read_dumps(fr_dir)  # one damaged dump does not hide the others

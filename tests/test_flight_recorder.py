@@ -15,17 +15,9 @@ from pathlib import Path
 import pytest
 
 from ranklens.analyzers.hangs import analyze_flight_recorder, group_progress
-from ranklens.collector.flight_recorder import (
-    FRDump,
-    infer_job_id,
-    ingest_flight_recorder,
-    load_dump,
-    load_dumps,
-    parse_dump,
-    safe_unpickle,
-    to_collective_rows,
-)
+from ranklens.collector.flight_recorder import infer_job_id, ingest_flight_recorder, load_dumps, to_collective_rows
 from ranklens.errors import IngestError
+from ranklens.formats.flight_recorder import FRDump, load_dump, parse_dump, safe_unpickle
 
 DATA = Path(__file__).parent / "data" / "flight_recorder"
 SCENARIOS = ("healthy", "desync", "crashed_rank")
@@ -461,7 +453,7 @@ def _cli(*args):
 def test_world_size_and_members_from_group_sizes_when_the_last_rank_left_no_dump(tmp_path):
     # The healthy job without rank 3's dump: gloo's pg_config is empty, but every tp/dp group's
     # all_gather output is twice its input, so tp_1 = [2, ?] and dp_1 = [1, ?] miss one rank each.
-    from ranklens.collector.flight_recorder import infer_process_groups, infer_world_size
+    from ranklens.formats.flight_recorder import infer_process_groups, infer_world_size
 
     dumps = load_dumps(_copy(DATA / "healthy" / "fr_json", tmp_path / "fr", ranks={0, 1, 2}))
     world, source = infer_world_size(dumps)
@@ -481,7 +473,7 @@ def test_world_size_from_the_default_groups_process_group_table(tmp_path):
     src = DATA / "size_mismatch_abort" / "fr_json"
     dumps = load_dumps(_copy(src, tmp_path / "fr", ranks={0, 2}))  # ranks 1 and 3 left no dump
     assert dumps[0].pg_config[0].pg_name == "" and dumps[0].pg_config[0].ranks == (0, 1, 2, 3)
-    from ranklens.collector.flight_recorder import infer_process_groups, infer_world_size
+    from ranklens.formats.flight_recorder import infer_process_groups, infer_world_size
 
     assert infer_world_size(dumps) == (4, "process-group table (pg_config) of the default group")
     groups, _ = infer_process_groups(dumps)
