@@ -7,9 +7,9 @@ import json
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from typing import Any
 
+from ranklens.formats.severity import Severity
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
@@ -25,12 +25,6 @@ __all__ = [
     "save_findings",
     "strip_latest",
 ]
-
-
-class Severity(str, Enum):
-    INFO = "info"
-    WARNING = "warning"
-    CRITICAL = "critical"
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ranklens.collector._scan import Scanner, make_scanner
-from ranklens.collector.rules import Action, Rule, RuleSet, Severity, load_rules
+from ranklens.collector.rules import Action, Rule, RuleSet, load_rules
 
 __all__ = [
     "FilterStats",
@@ -56,8 +56,6 @@ MAX_CONTEXT_CHARS = 1000  # per context line
 MAX_GROUPS = 1024  # distinct events held for collapsing before the oldest is released
 MAX_TRAILER_LINES = 200
 MAX_MESSAGE_LINES = 3  # lines of the same class after a traceback taken as more of its exception's text
-
-_SEV_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2, Severity.CRITICAL: 3}
 
 # A prefix that torchrun / pdsh / DeepSpeed / mpirun put before every line of a rank's output
 # (``host: ``, ``[1,5]<stderr>:``, ``[default3]:``, ``[rank3]:``, ``[default3]:[rank3]: ``).

@@ -48,6 +48,7 @@ from typing import Any
 
 from ranklens.collector._scan import bracket_end
 from ranklens.errors import ConfigError
+from ranklens.formats.severity import Severity
 
 __all__ = [
     "BUILTIN_RULES",
@@ -59,15 +60,6 @@ __all__ = [
     "load_rules",
     "pattern_to_ere",
 ]
-
-
-class Severity(str, enum.Enum):
-    """How bad a kept line is."""
-
-    INFO = "info"
-    WARNING = "warning"
-    ERROR = "error"
-    CRITICAL = "critical"
 
 
 class Action(str, enum.Enum):

@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ranklens.analyzers.findings import Finding, Severity
+from ranklens.analyzers.findings import Finding
 from ranklens.analyzers.recovery.api import Level, PolicyError
+from ranklens.formats.severity import Severity
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,7 +64,6 @@ __all__ = [
 
 POLICY_VERSION = 1
 RECOMMENDED = "recommended"
-_SEVERITY_ORDER = {Severity.INFO: 0, Severity.WARNING: 1, Severity.CRITICAL: 2}
 _LEVEL_ORDER = {lv: i for i, lv in enumerate(Level)}
 MIN_SECRET_LEN = 16
 MAX_URL_LEN = 2048
@@ -94,7 +94,7 @@ class Rule:
         """Why ``f`` does not match (empty string when it does)."""
         if "*" not in self.kinds and f.kind not in self.kinds:
             return f"kind {f.kind} not in {list(self.kinds)}"
-        if _SEVERITY_ORDER[Severity(f.severity)] < _SEVERITY_ORDER[self.min_severity]:
+        if Severity(f.severity).level < self.min_severity.level:
             return f"severity {Severity(f.severity).value} below {self.min_severity.value}"
         if f.confidence < self.min_confidence:
             return f"confidence {f.confidence:.2f} below {self.min_confidence:.2f}"
