@@ -698,7 +698,7 @@ class Shipper:
     def _ship_traces(self, result: ShipResult) -> None:
         """Profiler windows (``<spool>/<job>/<attempt>/kineto/*.pt.trace.json``) into ``trace_events``,
         one ``ingest_id`` per batch of a trace, with the same journal as the segments."""
-        from ranklens.collector.kineto import iter_kineto_batches
+        from ranklens.formats.kineto import iter_kineto_batches
 
         if not self.spool_dir.is_dir():
             return
@@ -740,7 +740,7 @@ class Shipper:
             result.segments += 1
 
     def _settle_trace(self, trace: Path, job: str, attempt: int, base: int) -> set[int]:
-        from ranklens.collector.kineto import iter_kineto_batches
+        from ranklens.formats.kineto import iter_kineto_batches
 
         sizes = {
             _batch_id(base, i): b.num_rows

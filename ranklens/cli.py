@@ -692,7 +692,7 @@ def _detect_format(paths: tuple[str, ...]) -> str | None:
     files = [f for f in files if not f.name.startswith(".") and f.suffix not in (".md", ".txt", ".log")]
     if not files or all(f.suffix in (".jsonl", ".parquet", ".pq") for f in files):
         return None
-    from ranklens.collector.kineto import is_kineto_file
+    from ranklens.formats.kineto import is_kineto_file
 
     if any(is_kineto_file(f) for f in files):
         return "kineto"

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ranklens.collector.kineto import ingest_kineto, is_kineto_file
+from ranklens.collector.kineto import ingest_kineto
 from ranklens.errors import IngestError
+from ranklens.formats.kineto import is_kineto_file
 
 DATA = Path(__file__).with_name("data") / "kineto"
 TRACES = sorted(DATA.glob("*.json.gz"))

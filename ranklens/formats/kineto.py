@@ -1,0 +1,156 @@
+"""Kineto (torch.profiler) Chrome traces: the reader that streams them as ``trace_events`` rows.
+
+A trace can be hundreds of MB: it is never loaded whole. ``ijson`` walks ``traceEvents`` item by
+item and rows are built in bounded batches; a corrupt or truncated trace raises :class:`IngestError`
+(the collector's ``ingest_kineto`` reads a file twice, validating before it writes).
+
+Times: Kineto's ``ts``/``dur`` are microseconds; when the trace has ``baseTimeNanoseconds``, ``ts`` is
+relative to it. Kernels carry ``args.device``/``args.stream``/``args.correlation``; NCCL kernels
+(``ncclKernel_<Coll>_...`` or ``ncclDevKernel_...``) also ``Collective name``, ``In msg nelems``,
+``Group size`` in newer traces. Only complete events (``ph`` = ``X``) are kept.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ranklens.errors import IngestError
+from ranklens.records import to_arrow
+
+__all__ = ["is_kineto_file", "iter_kineto_batches", "kineto_info"]
+
+_NCCL = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)")
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+
+def _open(path: Path) -> BinaryIO:
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rb") if gz else open(path, "rb")  # type: ignore[return-value]
+
+
+def is_kineto_file(path: str | Path) -> bool:
+    """True when ``path`` looks like a Chrome trace (has ``traceEvents`` near its start)."""
+    p = Path(path)
+    if p.name.endswith((".pt.trace.json", ".pt.trace.json.gz")):
+        return True
+    if not p.name.endswith((".json", ".json.gz")):
+        return False
+    try:
+        with _open(p) as f:
+            head = f.read(1 << 16)
+    except (OSError, EOFError, zlib.error):
+        return False
+    return b'"traceEvents"' in head or b'"schemaVersion"' in head
+
+
+def kineto_info(path: str | Path) -> dict[str, Any]:
+    """Top-level metadata (distributedInfo, baseTimeNanoseconds, ...) without the events."""
+    import ijson
+
+    p = Path(path)
+    out: dict[str, Any] = {}
+    try:
+        with _open(p) as f:
+            for key, value in ijson.kvitems(f, "", use_float=True):
+                if key != "traceEvents":
+                    out[key] = value
+    except (ijson.JSONError, ijson.IncompleteJSONError, OSError, EOFError, zlib.error) as e:
+        raise IngestError(str(p), "", f"not a readable Kineto/Chrome trace: {e}") from None
+    return out
+
+
+def _rank_of(path: Path, info: dict[str, Any], rank: int | None) -> int:
+    if rank is not None:
+        return rank
+    dist = info.get("distributedInfo") or {}
+    if isinstance(dist, dict) and isinstance(dist.get("rank"), int):
+        return int(dist["rank"])
+    m = _RANK_IN_NAME.search(path.name)
+    if m:
+        return int(m.group(1))
+    raise IngestError(
+        str(path),
+        "",
+        "cannot tell the rank: no distributedInfo.rank in the trace and no rank<N> in the file name; pass --rank",
+    )
+
+
+def _int(v: Any, default: int = -1) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def _row(ev: dict[str, Any], base_ns: int, ident: dict[str, Any], source: str) -> dict[str, Any] | None:
+    if ev.get("ph") != "X":
+        return None
+    ts, dur = ev.get("ts"), ev.get("dur", 0)
+    if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
+        raise ValueError(f"event {str(ev.get('name'))[:60]!r} has a non-numeric ts/dur")
+    raw_args = ev.get("args")
+    args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
+    name = str(ev.get("name", ""))
+    collective = str(args.get("Collective name", "") or "")
+    if not collective and ev.get("cat") == "kernel":
+        m = _NCCL.match(name)
+        if m:
+            collective = m.group(1).lower()
+    return {
+        **ident,
+        "ts_ns": base_ns + round(float(ts) * 1000),
+        "dur_ns": round(float(dur) * 1000),
+        "cat": str(ev.get("cat", "")),
+        "name": name,
+        "pid": str(ev.get("pid", "")),
+        "tid": str(ev.get("tid", "")),
+        "device": _int(args.get("device")),
+        "stream": _int(args.get("stream")),
+        "correlation": _int(args.get("correlation")),
+        "external_id": _int(args.get("External id")),
+        "collective": collective,
+        "in_nelems": _int(args.get("In msg nelems")),
+        "group_size": _int(args.get("Group size")),
+        "source": source,
+    }
+
+
+def iter_kineto_batches(
+    path: str | Path, *, job_id: str, attempt: int = 0, rank: int | None = None, batch_rows: int = 50_000
+) -> Iterator[Any]:
+    """Arrow batches of ``trace_events`` rows from one trace, streamed. Raises IngestError."""
+    import ijson
+
+    p = Path(path)
+    info = kineto_info(p)
+    base_ns = _int(info.get("baseTimeNanoseconds"), 0)
+    ident = {"job_id": job_id, "attempt": attempt, "rank": _rank_of(p, info, rank)}
+    rows: list[dict[str, Any]] = []
+    n = 0
+    try:
+        with _open(p) as f:
+            for ev in ijson.items(f, "traceEvents.item", use_float=True):
+                n += 1
+                if not isinstance(ev, dict):
+                    raise IngestError(str(p), f"event {n}", "is not a JSON object")
+                try:
+                    row = _row(ev, base_ns, ident, p.name)
+                except ValueError as e:
+                    raise IngestError(str(p), f"event {n}", str(e)) from None
+                if row is not None:
+                    rows.append(row)
+                if len(rows) >= batch_rows:
+                    yield to_arrow("trace_events", rows, validate=False)
+                    rows = []
+    except (ijson.JSONError, ijson.IncompleteJSONError, OSError, EOFError, zlib.error) as e:
+        raise IngestError(str(p), f"after event {n}", f"the trace is corrupt or truncated: {e}") from None
+    if n == 0:
+        raise IngestError(str(p), "", "no traceEvents in this file")
+    if rows:
+        yield to_arrow("trace_events", rows, validate=False)
