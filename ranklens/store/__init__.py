@@ -9,13 +9,25 @@ URLs:
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ranklens.config import DEFAULT_STORE_DIR, ENV_STORE, ENV_STORE_PASSWORD
 from ranklens.errors import ConfigError
-from ranklens.store.api import QueryResult, Store
+from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, Store, SupportsCompact, SupportsDiscardIngest
 
-__all__ = ["LazyStore", "QueryResult", "Store", "default_store_url", "open_store"]
+if TYPE_CHECKING:
+    from ranklens.store.server import ServerStore
+
+__all__ = [
+    "LazyStore",
+    "QueryResult",
+    "Store",
+    "SupportsCompact",
+    "SupportsDiscardIngest",
+    "default_store_url",
+    "open_store",
+]
 
 
 def default_store_url() -> str:
@@ -74,13 +86,16 @@ class LazyStore:
         self._url = url
         self._create = create
         self.url = ServerConfig.from_url(url).redacted_url()  # parses (bad URLs fail now), connects nothing
-        self._store: Store | None = None
+        self._store: ServerStore | None = None
         self._lock = threading.Lock()
 
-    def _get(self) -> Store:
+    def _get(self) -> ServerStore:
+        from ranklens.store.server import ServerConfig, ServerStore
+
         with self._lock:
             if self._store is None:
-                self._store = open_store(self._url, create=self._create)
+                cfg = ServerConfig.from_url(self._url, password_env=os.environ.get(ENV_STORE_PASSWORD))
+                self._store = ServerStore(cfg, create=self._create)
             return self._store
 
     @property
@@ -90,14 +105,17 @@ class LazyStore:
     def write(self, table: str, data: Any) -> int:
         return self._get().write(table, data)
 
-    def write_many(self, batches: Any) -> dict[str, int]:
+    def write_many(self, batches: Mapping[str, Any]) -> dict[str, int]:
         return self._get().write_many(batches)
 
     def query(self, sql: str) -> QueryResult:
         return self._get().query(sql)
 
-    def discard_ingest(self, table: str, ingest_ids: Any) -> None:
-        self._get().discard_ingest(table, ingest_ids)  # type: ignore[attr-defined]
+    def iter_query(self, sql: str, *, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[QueryResult]:
+        return self._get().iter_query(sql, batch_rows=batch_rows)
+
+    def discard_ingest(self, table: str, ingest_ids: Iterable[int]) -> int:
+        return self._get().discard_ingest(table, ingest_ids)
 
     def close(self) -> None:
         with self._lock:

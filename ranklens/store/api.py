@@ -9,16 +9,29 @@ runs unchanged on both.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
     import pyarrow as pa
 
-__all__ = ["READ_STATEMENTS", "QueryResult", "Store", "read_only_statement", "sql_escape", "sql_string"]
+__all__ = [
+    "DEFAULT_BATCH_ROWS",
+    "READ_STATEMENTS",
+    "QueryResult",
+    "Store",
+    "SupportsCompact",
+    "SupportsDiscardIngest",
+    "check_batch_rows",
+    "read_only_statement",
+    "rebatch",
+    "sql_escape",
+    "sql_string",
+]
 
 READ_STATEMENTS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXISTS")
+DEFAULT_BATCH_ROWS = 65_536  # rows per batch of Store.iter_query
 
 
 def sql_escape(s: str) -> str:
@@ -134,13 +147,21 @@ class Store(Protocol):
     Writes are atomic per call: after a failure nothing of the call is visible (the embedded
     store commits all tables of a call at once; the server inserts each table's batch as one
     block).
+
+    Optional capabilities are the small protocols below (:class:`SupportsDiscardIngest`,
+    :class:`SupportsCompact`); test for them with ``isinstance(store, SupportsCompact)``.
     """
 
     url: str
     backend: str
 
     def write(self, table: str, data: pa.Table | Iterable[Mapping[str, Any] | Any]) -> int:
-        """Append rows (Arrow table of the table's schema, or dicts/records); return the count."""
+        """Append rows (Arrow table of the table's schema, or dicts/records); return the count.
+
+        Raises:
+            StoreUnavailable: the store cannot be reached (nothing of the call was written).
+            StoreError: the store refused the rows.
+        """
         ...
 
     def write_many(self, batches: Mapping[str, pa.Table]) -> dict[str, int]:
@@ -148,7 +169,73 @@ class Store(Protocol):
         ...
 
     def query(self, sql: str) -> QueryResult:
-        """Run one SQL statement and return its rows. Raises StoreError on bad SQL."""
+        """Run one SQL statement and return all its rows.
+
+        Raises:
+            StoreError: bad SQL (or a query the store rejects).
+            StoreUnavailable: the store cannot be reached or read.
+        """
+        ...
+
+    def iter_query(self, sql: str, *, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[QueryResult]:
+        """Run one SQL statement and yield its rows in batches of at most ``batch_rows`` rows,
+        without holding the whole result in memory (every batch has the result's columns; an
+        empty result yields nothing). Close the iterator (or read it to its end) to free the query.
+
+        Raises:
+            ValueError: ``batch_rows`` is not a positive integer.
+            StoreError: bad SQL (raised on the first ``next()``).
+            StoreUnavailable: the store cannot be reached or read.
+        """
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class SupportsDiscardIngest(Protocol):
+    """A store that can remove the rows of given ``ingest_id`` batches: what lets a collector (or
+    ``ranklens ingest``) re-send a batch the store holds in part without duplicating rows."""
+
+    def discard_ingest(self, table: str, ingest_ids: Iterable[int]) -> int:
+        """Remove every row of ``table`` whose ``ingest_id`` is in ``ingest_ids``; return how many
+        rows went. Returns once the rows are gone for every later query."""
+        ...
+
+
+@runtime_checkable
+class SupportsCompact(Protocol):
+    """A store whose small parts a caller merges (the embedded store; a ClickHouse server merges
+    its own parts and does not offer this)."""
+
+    def compact(self) -> dict[str, int]:
+        """Merge small parts; return how many parts each table lost."""
+        ...
+
+
+def check_batch_rows(batch_rows: int) -> int:
+    """``batch_rows`` when it is a positive integer (for :meth:`Store.iter_query`), else ValueError."""
+    if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1:
+        raise ValueError(f"batch_rows must be a positive integer, not {batch_rows!r}")
+    return batch_rows
+
+
+def rebatch(chunks: Iterable[pa.Table | pa.RecordBatch], batch_rows: int) -> Iterator[QueryResult]:
+    """``chunks`` (of one schema, any sizes) as results of exactly ``batch_rows`` rows each, but the
+    last; empty chunks are skipped. Holds at most one batch plus one chunk at a time."""
+    import pyarrow as pa
+
+    pending: list[pa.Table] = []
+    held = 0
+    for chunk in chunks:
+        t = chunk if isinstance(chunk, pa.Table) else pa.Table.from_batches([chunk])
+        while t.num_rows:
+            take = min(batch_rows - held, t.num_rows)
+            pending.append(t.slice(0, take))
+            held += take
+            t = t.slice(take)
+            if held == batch_rows:
+                yield QueryResult(pa.concat_tables(pending).combine_chunks())
+                pending, held = [], 0
+    if held:
+        yield QueryResult(pa.concat_tables(pending).combine_chunks())

@@ -29,6 +29,8 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -39,7 +41,7 @@ from typing import Any
 from ranklens.errors import SchemaVersionError, StoreError, StoreUnavailable
 from ranklens.records import arrow_schema, empty_arrow, repair_utf8, to_arrow
 from ranklens.schema import SCHEMA_VERSION, TABLES, table
-from ranklens.store.api import QueryResult
+from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, check_batch_rows, rebatch
 from ranklens.store.api import sql_string as _sql_quote
 
 __all__ = ["EmbeddedStore"]
@@ -329,13 +331,45 @@ class EmbeddedStore:
         self._manifest_stamp = stamp
 
     def query(self, sql: str) -> QueryResult:
+        return QueryResult(repair_utf8(self._run(sql)))  # stored bytes that are not UTF-8: U+FFFD, not a crash
+
+    def iter_query(self, sql: str, *, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[QueryResult]:
+        """Yield the rows of ``sql`` ``batch_rows`` at a time.
+
+        chDB writes the result to a temporary Arrow file (``INTO OUTFILE``, in ``$TMPDIR``) that is
+        then read batch by batch: the process holds one batch, not the result, and the chDB
+        session is free for other queries while the iterator is open (a chDB streaming query is
+        cancelled by the next query on its session). The file is unlinked as soon as it is open,
+        so nothing is left behind whatever becomes of the iterator."""
+        check_batch_rows(batch_rows)
+        return self._iter_query(sql, batch_rows)
+
+    def _iter_query(self, sql: str, batch_rows: int) -> Iterator[QueryResult]:
+        import pyarrow as pa
+
+        stmt = sql.rstrip().rstrip(";")
+        tmp = tempfile.mkdtemp(prefix="ranklens-iter-")
+        try:
+            path = os.path.join(tmp, "result.arrow")
+            # on a line of its own: a trailing `-- comment` in `sql` does not swallow it
+            self._run(f"{stmt}\nINTO OUTFILE {_sql_quote(path)} FORMAT Arrow")
+            source = pa.OSFile(path)  # read (copied) batch by batch: no batch outlives a mapping
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # the open file keeps the data until it is closed
+        with source:
+            reader = pa.ipc.open_file(source)
+            chunks = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            yield from rebatch((repair_utf8(pa.Table.from_batches([b])) for b in chunks), batch_rows)
+
+    def _run(self, sql: str) -> Any:
+        """``sql``'s result as a ``pyarrow.Table``, on this process's chDB session."""
         with _session_lock:
             session = _chdb_session()
             if not hasattr(session, "_ranklens_views"):
                 session._ranklens_views = {}
             self._refresh_views(session)
             try:
-                result = session.query(sql, "ArrowTable")
+                return session.query(sql, "ArrowTable")
             except Exception as e:  # chdb raises RuntimeError subclasses
                 _drain(session)
                 if any(code in str(e) for code in _IO_ERRORS):
@@ -343,7 +377,6 @@ class EmbeddedStore:
                     # retry (the shipper keeps its segments) instead of blaming what they asked about
                     raise StoreUnavailable(f"cannot read the embedded store at {self.root}: {e}") from e
                 raise StoreError(f"query failed on the embedded store: {e}") from e
-        return QueryResult(repair_utf8(result))  # stored bytes that are not UTF-8: U+FFFD, not a crash
 
     def close(self) -> None:
         pass

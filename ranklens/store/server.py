@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from ranklens.errors import ConfigError, SchemaVersionError, StoreAuthError, StoreError, StoreUnavailable
 from ranklens.records import arrow_schema, decode_replacing, to_arrow
 from ranklens.schema import META_TABLE, SCHEMA_VERSION, render_server_ddl, table
-from ranklens.store.api import QueryResult
+from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, check_batch_rows
 
 __all__ = ["ServerConfig", "ServerStore", "hint_url", "redact_url"]
 
@@ -173,21 +173,26 @@ class ServerStore:
 
         A server that does not answer in time is retried once (it is seldom faster the next time),
         a refused connection ``retries`` times; refused credentials are not retried."""
+        return self._run(lambda c: c.execute(sql, params, **kw), idempotent=params is None, database=database)
+
+    def _run(self, op: Callable[[Any], Any], *, idempotent: bool, database: bool = True, client: Any = None) -> Any:
+        """``op(client)`` on a connected client (this thread's, or ``client``), with the retries and
+        the error messages of :meth:`_execute`."""
         from clickhouse_driver import errors as ch_errors
 
         cfg = self.config
         network = (ch_errors.NetworkError, ch_errors.SocketTimeoutError, EOFError, OSError)
         timeouts = (ch_errors.SocketTimeoutError, TimeoutError)
-        idempotent = params is None
         delay = 0.2
         timed_out = 0
+        own_client = client
         for attempt in range(cfg.retries + 1):
-            client = self._client(database=database)
+            client = own_client if own_client is not None else self._client(database=database)
             connecting = True
             try:
                 self._connect(client)
                 connecting = False
-                return client.execute(sql, params, **kw)
+                return op(client)
             except network as e:
                 client.disconnect()
                 timeout = isinstance(e, timeouts)
@@ -311,23 +316,27 @@ class ServerStore:
             )
         return counts
 
-    def discard_ingest(self, table_name: str, ingest_ids: Iterable[int], *, timeout_s: float = 300.0) -> None:
+    def discard_ingest(self, table_name: str, ingest_ids: Iterable[int], *, timeout_s: float = 300.0) -> int:
         """Delete the rows of the given ``ingest_id`` batches (a collector re-sending a batch the
-        server applied in part) and wait until the deletion (a mutation) has finished here.
+        server applied in part) and wait until the deletion (a mutation) has finished here; return
+        how many rows there were to delete (none: no mutation is run).
 
         On a cluster (the table is ``Distributed``), the rows are deleted from the local table on
         one replica of every shard (the cluster's replication carries it to the other replicas)."""
         name = table(table_name).name
         ids = ", ".join(str(int(i)) for i in sorted(set(ingest_ids)))
         if not ids:
-            return
+            return 0
         db = self.config.database
+        count = int(self._execute(f"SELECT count() FROM {db}.{name} WHERE ingest_id IN ({ids})")[0][0])
+        if not count:
+            return 0
         rows = self._execute(
             f"SELECT engine, engine_full FROM system.tables WHERE database = '{db}' AND name = '{name}'"
         )
         if not (rows and rows[0][0] == "Distributed"):
             self._mutate(self._execute, db, name, ids, timeout_s)
-            return
+            return count
         cluster, target_db, target = distributed_target(rows[0][1], db)
         shards = self._execute(
             "SELECT host_address, port FROM system.clusters "
@@ -350,6 +359,7 @@ class ServerStore:
                 raise StoreUnavailable(f"shard {host}:{port} of cluster {cluster!r}: {e}") from e
             finally:
                 client.disconnect()
+        return count
 
     def _mutate(self, run: Any, db: str, name: str, ids: str, timeout_s: float) -> None:
         """``ALTER TABLE … DELETE`` and wait for the mutation, through ``run(sql)``."""
@@ -391,18 +401,53 @@ class ServerStore:
 
     # -- reading ------------------------------------------------------------------------
     def query(self, sql: str) -> QueryResult:
-        import pyarrow as pa
-
         rows, types = self._execute(sql, with_column_types=True, columnar=True)
-        arrays = {}
-        for i, (name, ch_type) in enumerate(types):
-            values = list(rows[i]) if rows else []
-            try:
-                arrays[name] = pa.array(values, type=_arrow_type(ch_type))
-            except (pa.ArrowInvalid, pa.ArrowTypeError):
-                # the driver hands strings that are not UTF-8 over as bytes: U+FFFD, not a crash
-                arrays[name] = pa.array(decode_replacing(values), type=_arrow_type(ch_type))
-        return QueryResult(pa.table(arrays) if arrays else pa.table({}))
+        return QueryResult(_arrow_table(types, rows))
+
+    def iter_query(self, sql: str, *, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[QueryResult]:
+        """Stream the rows of ``sql`` (clickhouse-driver's ``execute_iter``), ``batch_rows`` at a time.
+
+        The query runs on a connection of its own (the thread's client stays free for other
+        queries while the iterator is open); closing the iterator closes that connection. Errors
+        before the first row are retried like :meth:`query`'s; a connection lost later raises
+        :class:`StoreUnavailable` (a retry would send rows twice)."""
+        check_batch_rows(batch_rows)
+        return self._iter_query(sql, batch_rows)
+
+    def _iter_query(self, sql: str, batch_rows: int) -> Iterator[QueryResult]:
+        from clickhouse_driver import errors as ch_errors
+
+        cfg = self.config
+        client = self._new_client(cfg.host, cfg.port, cfg.database)
+        end = object()
+
+        def start(c: Any) -> tuple[Any, Any]:
+            it = c.execute_iter(sql, with_column_types=True, settings={"max_block_size": batch_rows})
+            return it, next(it, end)  # the column types, once the server answered
+
+        try:
+            it, types = self._run(start, idempotent=True, client=client)
+            if types is end:
+                return
+            rows: list[tuple[Any, ...]] = []
+            while True:
+                try:
+                    row = next(it, end)
+                except ch_errors.ServerException as e:
+                    raise StoreError(f"ClickHouse server {self.url} rejected the query: {_server_message(e)}") from None
+                except (ch_errors.Error, EOFError, OSError) as e:
+                    raise StoreUnavailable(
+                        f"ClickHouse server {self.url} failed during a streamed read (not retried): {_one_line(str(e))}"
+                    ) from e
+                if row is not end:
+                    rows.append(row)
+                if len(rows) == batch_rows or (row is end and rows):
+                    yield QueryResult(_arrow_table(types, list(zip(*rows))))
+                    rows = []
+                if row is end:
+                    return
+        finally:
+            client.disconnect()
 
     def drop_database(self) -> None:
         """Drop the whole database (tests and `ranklens` maintenance only)."""
@@ -452,6 +497,21 @@ def distributed_target(engine_full: str, default_db: str) -> tuple[str, str, str
     if db in ("", "currentDatabase()"):
         db = default_db
     return cluster, db, local
+
+
+def _arrow_table(types: list[tuple[str, str]], columns: Any) -> Any:
+    """A ``pyarrow.Table`` of the driver's columnar result (``columns[i]``: column ``i``'s values)."""
+    import pyarrow as pa
+
+    arrays = {}
+    for i, (name, ch_type) in enumerate(types):
+        values = list(columns[i]) if columns else []
+        try:
+            arrays[name] = pa.array(values, type=_arrow_type(ch_type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            # the driver hands strings that are not UTF-8 over as bytes: U+FFFD, not a crash
+            arrays[name] = pa.array(decode_replacing(values), type=_arrow_type(ch_type))
+    return pa.table(arrays) if arrays else pa.table({})
 
 
 def _arrow_type(ch_type: str) -> Any:
