@@ -26,19 +26,17 @@ was last doing, and a recommended recovery level.
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ranklens.analyzers.findings import Finding, Severity, Suspect, finding_id
-from ranklens.config import node_name
+from ranklens.formats.process import pid_alive_local
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
-__all__ = ["HangConfig", "LiveRank", "detect_live_hangs", "pid_alive_local"]
+__all__ = ["HangConfig", "LiveRank", "detect_live_hangs"]
 
 DETECTOR = "live_hangs"
 
@@ -87,24 +85,6 @@ class LiveRank:
     pending: dict[tuple[str, int], tuple[str, int, int]] = field(default_factory=dict)  # -> (op, nbytes, enter_ns)
     exited: bool = False  # shut tracing down cleanly: finished, not dead
     gone: bool = False  # its node's collector saw its process disappear without that
-
-
-def pid_alive_local(host: str, pid: int) -> bool | None:
-    """True/False when ``host`` is this machine and the pid can be checked, else None (unknown)."""
-    if host not in (node_name(), socket.gethostname()) or pid <= 0:
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie (exited, not yet reaped by its launcher) is not alive
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def _heartbeat_sql(job_id: str, attempt: int, since_ns: int = 0) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ranklens.config import node_name
-from ranklens.tracing.tracer import pid_namespace
+from ranklens.formats.process import pid_alive_local, pid_namespace
 
 __all__ = ["EXITED_CLEAN", "EXITED_GONE", "LivenessWatcher"]
 
@@ -54,8 +54,6 @@ class LivenessWatcher:
         pid_alive: Callable[[str, int], bool | None] | None = None,
         interval_s: float = 2.0,
     ) -> None:
-        from ranklens.analyzers.live_hangs import pid_alive_local
-
         self.sink = sink
         self.host = host or node_name()
         self.pid_alive = pid_alive or (lambda _host, pid: pid_alive_local(node_name(), pid))

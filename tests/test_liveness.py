@@ -55,7 +55,7 @@ def test_clean_exit_is_not_reported(tmp_path):
 
 
 def test_only_pids_of_our_pid_namespace_are_watched(tmp_path):
-    from ranklens.tracing.tracer import pid_namespace
+    from ranklens.formats.process import pid_namespace
 
     w = LivenessWatcher(Outbox(tmp_path / "spool", host="n"))
     ours = pid_namespace()
