@@ -466,3 +466,53 @@ def test_public_names():
     for name in sim.__all__:
         assert hasattr(sim, name), name
     assert {"simulate", "parse_fault", "SimResult", "Fault"} <= set(sim.__all__)
+
+
+def test_telemetry_tables_and_hang(embedded_store):
+    """With telemetry, the nodes' reports follow the same job: a slowed GPU runs hot from the
+    fault's onset, and a hung rank is the one world member whose heartbeat never entered seq 1."""
+    res = simulate(
+        embedded_store,
+        ranks=16,
+        steps=6,
+        tp=4,
+        ranks_per_node=4,
+        faults=["slow_gpu:5:1.4@3"],
+        telemetry=True,
+        hang_rank=6,
+        gpu_sample_s=0.25,
+        job_id="tele",
+    )
+    assert res.hang_rank == 6 and res.truth["culprit_ranks"] == [5, 6] and res.host(5) == "node0001"
+    assert {"heartbeats", "gpu_samples", "gpu_events", "log_events"} <= set(res.rows)
+    q = embedded_store.query
+    hb = {
+        int(r): (list(p), list(e), list(c), list(w))
+        for r, p, e, c, w in q(
+            "SELECT rank, pgs, pg_entered, pg_completed, pending_pgs FROM heartbeats WHERE job_id = 'tele'"
+        ).rows()
+    }
+    assert len(hb) == 16
+    waiting = [r for r, (pgs, ent, _c, _w) in hb.items() if ent[pgs.index("0")] == 1]
+    assert sorted(waiting) == [r for r in range(16) if r != 6] and hb[6][3] == [] and hb[0][3] == ["0"]
+    tp = hb[0][0][1]  # rank 0's tensor-parallel group: 2 all_reduces x 2 (forward, backward) x 6 steps
+    assert (
+        hb[0][1][1] == hb[0][2][1] == 24
+        and q(f"SELECT max(seq) FROM collectives WHERE job_id = 'tele' AND pg = '{tp}'").scalar() == 24
+    )
+    onset = int(q("SELECT min(start_ns) FROM steps WHERE job_id = 'tele' AND step = 3").scalar())
+    hot = q("SELECT rank, min(ts_ns) FROM gpu_samples WHERE job_id = 'tele' AND temp_c > 78 GROUP BY rank").rows()
+    assert [int(r) for r, _ in hot] == [5] and int(hot[0][1]) >= onset
+    assert [int(x) for x in q("SELECT rank FROM gpu_events WHERE job_id = 'tele'").column("rank")] == [5]
+    timeout = q("SELECT rank FROM log_events WHERE job_id = 'tele' AND klass = 'nccl_timeout'").rows()
+    assert timeout == [(6,)]
+
+
+def test_telemetry_is_off_by_default_and_a_hang_needs_it(embedded_store):
+    res = simulate(embedded_store, ranks=4, steps=2, job_id="plain")
+    assert set(res.rows) == {"ranks", "process_groups", "collectives", "phases", "steps"}
+    assert "hang_rank" not in res.truth and res.hang_rank is None
+    with pytest.raises(ConfigError, match="hang_rank needs telemetry"):
+        simulate(None, ranks=4, steps=2, hang_rank=1)
+    with pytest.raises(ConfigError, match="not a rank"):
+        simulate(None, ranks=4, steps=2, hang_rank=4, telemetry=True)

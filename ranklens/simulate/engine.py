@@ -285,6 +285,25 @@ class Engine:
         self._marks.append(marks)
         self._skews.append(c.skew_ns)
 
+    def group_last_seqs(self, steps: int) -> list[tuple[str, list[int], int]]:
+        """Every process group but the p2p pairs as ``(pg, member ranks, last seq after steps)``.
+
+        The world and the pipeline groups carry no collective of their own (seq 0: the pipeline's
+        traffic is on its p2p pairs); a tensor-parallel group runs ``2 K M`` all_reduces a step, a
+        data-parallel group one."""
+        K, M = self.params.tp_collectives, self.params.microbatches
+        tp, dp = set(self.tp_pg.ravel().tolist()), set(self.dp_pg.ravel().tolist())
+        out = []
+        for i, (_desc, members) in enumerate(self.groups):
+            if i in tp:
+                last = steps * 2 * K * M
+            elif i in dp:
+                last = steps
+            else:
+                last = 0
+            out.append((self.pg_names[i], [int(m) for m in members], last))
+        return out
+
     def step_start_ns(self, step: int) -> int:
         """Earliest true start of a step already run (epoch ns, before clock skew)."""
         return self._first_start[step]

@@ -24,6 +24,7 @@ from ranklens.simulate.model import (
     check_job,
     host_name,
 )
+from ranklens.simulate.telemetry import telemetry_tables
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -52,6 +53,20 @@ class SimResult:
     rows: dict[str, int]
     seconds: float
     files: tuple[str, ...] = field(default=())
+
+    @property
+    def ranks(self) -> int:
+        """World size."""
+        return int(self.truth["ranks"])
+
+    @property
+    def hang_rank(self) -> int | None:
+        """The rank that hangs after the last step (``simulate(hang_rank=...)``), or None."""
+        return self.truth.get("hang_rank")
+
+    def host(self, rank: int) -> str:
+        """The host of ``rank`` (``node0003``)."""
+        return host_name(int(rank) // int(self.truth["layout"]["ranks_per_node"]))
 
     def write_truth(self, path: str | Path) -> Path:
         """Write the ground truth as JSON to ``path``; return the path."""
@@ -176,6 +191,9 @@ def simulate(
     onset_step: int | None = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     progress: Callable[[int, int], None] | None = None,
+    telemetry: bool = False,
+    hang_rank: int | None = None,
+    gpu_sample_s: float = 5.0,
 ) -> SimResult:
     """Simulate a 3D-parallel job and write its records; return the ground truth.
 
@@ -194,6 +212,12 @@ def simulate(
         onset_step: onset of faults given without ``@STEP`` (default 0).
         chunk_rows: about this many collective rows per write (memory bound).
         progress: called as ``progress(steps_done, steps)`` after each chunk.
+        telemetry: also write what the nodes report beside the ledger (heartbeats, GPU samples
+            and events, log lines: :mod:`ranklens.simulate.telemetry`), as the dashboards show.
+        hang_rank: with telemetry: after the last step this rank never enters the next world
+            collective while every other rank waits in it (the truth names it in ``hang_rank``
+            and ``culprit_ranks``).
+        gpu_sample_s: with telemetry: seconds between GPU samples.
 
     Returns:
         A :class:`SimResult` (job id, truth, rows per table, seconds).
@@ -216,6 +240,12 @@ def simulate(
         raise ConfigError(f"step_ms={step_ms!r} must be > 0")
     if chunk_rows < 1:
         raise ConfigError(f"chunk_rows={chunk_rows} must be >= 1")
+    if hang_rank is not None and not telemetry:
+        raise ConfigError("hang_rank needs telemetry=True: a hang shows in the heartbeats, not in the ledger")
+    if hang_rank is not None and not 0 <= hang_rank < layout.world_size:
+        raise ConfigError(f"hang_rank={hang_rank} is not a rank of the job (0..{layout.world_size - 1})")
+    if telemetry and not gpu_sample_s > 0:
+        raise ConfigError(f"gpu_sample_s={gpu_sample_s!r} must be > 0")
     params = params or SimParams()
     params.validate()
     job_id = job_id or f"sim-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -243,10 +273,34 @@ def simulate(
             del batches
             if progress:
                 progress(s1, steps)
+        if telemetry:
+            extra = telemetry_tables(
+                job_id=job_id,
+                layout=layout,
+                faults=resolved,
+                groups=engine.group_last_seqs(steps),
+                steps=steps,
+                first_ns=engine.step_start_ns(0),
+                last_ns=engine.start_ns + int(engine.t.max()),
+                step_start_ns=engine.step_start_ns,
+                hang_rank=hang_rank,
+                gpu_sample_s=gpu_sample_s,
+                seed=seed,
+            )
+            if store is not None:
+                store.write_many(extra)
+            if sink is not None:
+                sink.write(extra)
+            for name, data in extra.items():
+                rows[name] = data.num_rows
     finally:
         if sink is not None:
             files = sink.close()
     truth = _truth(job_id, layout, steps, seed, step_ms, params, resolved, start_ns, engine.step_start_ns)
+    if hang_rank is not None:
+        truth["hang_rank"] = int(hang_rank)
+        truth["culprit_ranks"] = sorted({*truth["culprit_ranks"], int(hang_rank)})
+        truth["healthy"] = False
     truth["rows"] = dict(rows)
     result = SimResult(job_id, truth, rows, time.perf_counter() - t_begin, tuple(files))
     if sink is not None:
