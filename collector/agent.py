@@ -317,7 +317,7 @@ class Agent:
         self.liveness: LivenessWatcher | None = None
         if config.liveness_interval_s:
             self.liveness = LivenessWatcher(self.outbox, interval_s=config.liveness_interval_s)
-        from ranklens.tracing.otel import collector_tracer
+        from ranklens.otel import collector_tracer
 
         self.shipper = config.shipper(
             store,

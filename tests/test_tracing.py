@@ -307,7 +307,7 @@ def test_opentelemetry_spans_per_step_with_phase_children(tmp_path):
 
 def test_opentelemetry_off_by_default(tmp_path, monkeypatch):
     import ranklens.tracing as rlt
-    from ranklens.tracing.otel import otel_requested
+    from ranklens.otel import otel_requested
 
     for var in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
