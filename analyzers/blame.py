@@ -18,7 +18,20 @@ from ranklens.analyzers.windows import Windows, collective_windows
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
-__all__ = ["BlameMatrix", "blame_sql", "compute_blame", "latest_job", "step_times_sql", "union_length"]
+__all__ = [
+    "P2P_MARK",
+    "BlameMatrix",
+    "blame_offsets",
+    "blame_sql",
+    "collective_blame_sql",
+    "compute_blame",
+    "latest_job",
+    "member_wait_sql",
+    "step_times_sql",
+    "union_length",
+]
+
+P2P_MARK = "/p2p:"  # the tracer's point-to-point "pg": "<group>/p2p:<src>-><dst>"
 
 
 def _aligned(offsets: dict[int, int] | None) -> str:
@@ -30,6 +43,92 @@ def _aligned(offsets: dict[int, int] | None) -> str:
     return f"(enter_ns - transform(rank, [{ks}], [{vs}], toInt64(0)))"
 
 
+def _blame_where(job_id: str, attempt: int, step_from: int | None, step_to: int | None, stepless: bool) -> str:
+    w = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+    if stepless:
+        w += " AND step < 0"
+    else:
+        w += f" AND step >= {max(0, int(step_from or 0))}"
+        if step_to is not None:
+            w += f" AND step <= {int(step_to)}"
+    # point-to-point transfers are left out: a pipeline's receiver waits for its sender by design
+    return w + f" AND position(pg, '{P2P_MARK}') = 0"
+
+
+def collective_blame_sql(
+    job_id: str,
+    attempt: int,
+    t0_ns: int,
+    offsets: dict[int, int] | None = None,
+    *,
+    step_from: int | None = None,
+    step_to: int | None = None,
+    stepless: bool = False,
+) -> str:
+    """THE blame of one collective, one row per ``(pg, seq)`` with at least two members:
+    ``last_rank`` (the last arriver on the aligned clock), ``c_step`` (its step), ``members``,
+    ``first_enter_ns``, ``last_enter`` (ns after ``t0_ns``, Float64) and ``delay_ns`` (the mean wait
+    of the other members for it).
+
+    Point-to-point transfers are left out: in a pipeline the receiver of activations waits for the
+    sender by design (the pipeline bubble), which is not the sender's fault. Only collectives of
+    steps ``step_from..step_to`` (never a negative step), or with ``stepless`` only those without a
+    step. Arrivals are taken relative to ``t0_ns`` in Float64 so sums cannot overflow Int64 at
+    10,000 ranks; ``offsets`` (rank -> host clock offset, :func:`blame_offsets`) align the clocks.
+    The analyzer (:func:`blame_sql`) and the dashboards aggregate these rows."""
+    enter = _aligned(offsets)
+    return f"""
+SELECT pg, seq,
+       argMax(rank, {enter}) AS last_rank,
+       argMax(step, {enter}) AS c_step,
+       min(enter_ns) AS first_enter_ns,
+       count() AS members,
+       toFloat64(max({enter}) - {int(t0_ns)}) AS last_enter,
+       (last_enter * count() - sum(toFloat64({enter} - {int(t0_ns)}))) / (members - 1) AS delay_ns
+FROM collectives
+WHERE {_blame_where(job_id, attempt, step_from, step_to, stepless)}
+GROUP BY pg, seq
+HAVING members >= 2
+""".strip()
+
+
+def member_wait_sql(
+    job_id: str,
+    attempt: int,
+    offsets: dict[int, int] | None = None,
+    *,
+    step_from: int | None = None,
+    step_to: int | None = None,
+) -> str:
+    """The other side of blame, one row per ``(rank, step)``: ``wait_ns``, how long the rank waited
+    in the collectives of :func:`collective_blame_sql` for their last arriver (aligned clocks, p2p
+    left out), and ``collectives``, how many."""
+    enter = _aligned(offsets)
+    w = _blame_where(job_id, attempt, step_from, step_to, False)
+    return f"""
+SELECT rank, step, sum(toFloat64(last_enter - own_enter)) AS wait_ns, count() AS collectives
+FROM (SELECT rank, step, pg, seq, {enter} AS own_enter FROM collectives WHERE {w}) AS lhs
+ALL INNER JOIN
+(
+    SELECT pg, seq, max({enter}) AS last_enter, count() AS members
+    FROM collectives WHERE {w}
+    GROUP BY pg, seq
+    HAVING members >= 2
+) AS rhs
+USING (pg, seq)
+GROUP BY rank, step
+""".strip()
+
+
+def blame_offsets(store: Store, job_id: str, attempt: int) -> dict[int, int] | None:
+    """Per rank, its host's clock offset from the collectives' completions (ranks with a zero
+    offset left out); None when no clock needs aligning."""
+    from ranklens.analyzers.clocks import clock_offsets, rank_offsets
+
+    host_offsets = clock_offsets(store, job_id, attempt)
+    return {r: o for r, o in rank_offsets(store, job_id, attempt, host_offsets).items() if o} or None
+
+
 def blame_sql(
     job_id: str,
     attempt: int,
@@ -38,19 +137,13 @@ def blame_sql(
     offsets: dict[int, int] | None = None,
     windows: Windows | None = None,
 ) -> str:
-    """Point-to-point transfers are left out: in a pipeline the receiver of activations waits for
-    the sender by design (the pipeline bubble), which is not the sender's fault.
-
-    Per (last arriver, step): the collectives it was last at, each with its last arrival and
-    the mean wait of the other members. Arrival times are taken relative to ``t0_ns`` in Float64
-    so sums cannot overflow Int64 at 10,000 ranks. With ``windows`` (a job whose collectives carry
-    no step) the collectives without a step are taken and "step" is the window (iteration) of the
-    collective's first arrival."""
-    enter = _aligned(offsets)
-    if windows is None:
-        step_filter, at_step = "step >= 0", "c_step"
-    else:
-        step_filter, at_step = "step < 0", windows.window_of_sql("first_enter_ns")
+    """Per (last arriver, step): the collectives it was last at (:func:`collective_blame_sql`), each
+    with its last arrival and the mean wait of the other members. With ``windows`` (a job whose
+    collectives carry no step) the collectives without a step are taken and "step" is the window
+    (iteration) of the collective's first arrival."""
+    at_step = "c_step" if windows is None else windows.window_of_sql("first_enter_ns")
+    per_collective = collective_blame_sql(job_id, attempt, t0_ns, offsets, stepless=windows is not None)
+    inner = "\n".join("        " + line for line in per_collective.splitlines())
     return f"""
 SELECT last_rank, at_step, count() AS collectives,
        groupArray(last_enter) AS last_enters, groupArray(delay_ns) AS delays, avg(members) AS avg_members,
@@ -60,17 +153,7 @@ FROM
     SELECT last_rank, {at_step} AS at_step, members, last_enter, delay_ns, first_enter_ns
     FROM
     (
-        SELECT pg, seq,
-               argMax(rank, {enter}) AS last_rank,
-               argMax(step, {enter}) AS c_step,
-               min(enter_ns) AS first_enter_ns,
-               count() AS members,
-               toFloat64(max({enter}) - {t0_ns}) AS last_enter,
-               (last_enter * count() - sum(toFloat64({enter} - {t0_ns}))) / (members - 1) AS delay_ns
-        FROM collectives
-        WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND {step_filter} AND position(pg, '/p2p:') = 0
-        GROUP BY pg, seq
-        HAVING members >= 2
+{inner}
     )
 ){_only(only_ranks)}
 GROUP BY last_rank, at_step
@@ -165,12 +248,7 @@ def compute_blame(
     t0 = store.query(
         f"SELECT min(enter_ns) FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
     ).scalar()
-    offsets = None
-    if align:
-        from ranklens.analyzers.clocks import clock_offsets, rank_offsets
-
-        host_offsets = clock_offsets(store, job_id, attempt)
-        offsets = {r: o for r, o in rank_offsets(store, job_id, attempt, host_offsets).items() if o} or None
+    offsets = blame_offsets(store, job_id, attempt) if align else None
     with_step = store.query(
         f"SELECT countIf(step >= 0) FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
     ).scalar()
