@@ -25,12 +25,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	scripts/test.sh $(PYTEST_ARGS)
 
+# ruff, then mypy over every package under its installed module name (scripts/typecheck.py)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python scripts/typecheck.py
 
 typecheck: $(STAMP)
-	$(BIN)/mypy
+	$(BIN)/python scripts/typecheck.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/store_bench.py $(ARGS)
