@@ -57,6 +57,7 @@ __all__ = [
     "find_slow_links",
     "link_metric_sql",
     "to_findings",
+    "transfer_sql",
 ]
 
 DEFAULT_MIN_BYTES = 1 << 18  # 256 KiB: below it a transfer is latency, not bandwidth
@@ -91,6 +92,52 @@ _BUS_SQL = """multiIf(fam = 'all_reduce', 2.0 * (members - 1) / members,
                       1.0)"""
 
 
+def transfer_sql(
+    job_id: str,
+    attempt: int,
+    *,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    step_from: int | None = None,
+    step_to: int | None = None,
+) -> str:
+    """THE transfer metric of one collective, one row per completed ``(pg, seq)`` with at least two
+    members (barriers, each group's first collective and those under ``min_bytes`` left out):
+    ``fam`` (op family), ``members``, ``a_rank``/``b_rank`` (lowest and highest member), ``c_nbytes``,
+    ``c_step``, ``first_enter_ns``, ``last_enter_ns``, ``done_ns``, ``xfer_ns`` (transfer after the
+    last arrival), ``spread_ns`` (arrival spread), ``bus_bytes`` (:data:`BUS_FACTORS`) and
+    ``bw_Bps`` = bus bytes / transfer. With ``step_from`` only collectives of steps
+    ``step_from..step_to``. The analyzer's cells (:func:`link_metric_sql`) and the dashboards'
+    bandwidths aggregate these rows."""
+    steps = ""
+    if step_from is not None:
+        steps = f" AND c_step >= {int(step_from)}" + (f" AND c_step <= {int(step_to)}" if step_to is not None else "")
+    return f"""
+SELECT pg, seq, fam, members, a_rank, b_rank, c_nbytes, c_step, first_enter_ns, last_enter_ns, done_ns,
+       greatest(done_ns - last_enter_ns, 1000) AS xfer_ns,
+       last_enter_ns - first_enter_ns AS spread_ns,
+       c_nbytes * {_BUS_SQL} AS bus_bytes,
+       bus_bytes * 1e9 / xfer_ns AS bw_Bps
+FROM
+(
+    SELECT pg, seq,
+           {_FAMILY_SQL} AS fam,
+           count() AS members,
+           min(rank) AS a_rank,
+           max(rank) AS b_rank,
+           max(nbytes) AS c_nbytes,
+           max(step) AS c_step,
+           min(enter_ns) AS first_enter_ns,
+           max(enter_ns) AS last_enter_ns,
+           if(count() <= 2, max(end_ns), quantileExact(0.5)(end_ns)) AS done_ns
+    FROM collectives
+    WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND op != 'barrier'
+    GROUP BY pg, seq
+    HAVING members >= 2 AND min(end_ns) > 0 AND c_nbytes >= {int(min_bytes)} AND seq > 1{steps}
+)
+WHERE fam != ''
+""".strip()
+
+
 def link_metric_sql(
     job_id: str,
     attempt: int,
@@ -100,7 +147,7 @@ def link_metric_sql(
     t0_ns: int = 0,
     min_bytes: int = DEFAULT_MIN_BYTES,
 ) -> str:
-    """The link metric: one row per (pg, op family, size bucket, window) cell.
+    """The link metric: one row per (pg, op family, size bucket, window) cell of :func:`transfer_sql`.
 
     Args:
         job_id, attempt: the job.
@@ -110,9 +157,11 @@ def link_metric_sql(
         min_bytes: collectives moving fewer bytes are left out.
     """
     if window_ns > 0:
-        win, step_filter = f"intDiv(last_enter_ns - {int(t0_ns)}, {int(window_ns)})", ""
+        win, step_from = f"intDiv(last_enter_ns - {int(t0_ns)}, {int(window_ns)})", None
     else:
-        win, step_filter = f"intDiv(c_step, {max(1, int(window_steps))})", " AND c_step >= 0"
+        win, step_from = f"intDiv(c_step, {max(1, int(window_steps))})", 0
+    per_collective = transfer_sql(job_id, attempt, min_bytes=min_bytes, step_from=step_from)
+    inner = "\n".join("        " + line for line in per_collective.splitlines())
     return f"""
 SELECT pg, fam, size_bucket, win,
        count() AS collectives,
@@ -128,29 +177,13 @@ SELECT pg, fam, size_bucket, win,
        max(c_step) AS max_step
 FROM
 (
-    SELECT pg, fam, members, c_step, first_enter_ns, last_enter_ns, done_ns,
-           greatest(done_ns - last_enter_ns, 1000) AS xfer_ns,
-           last_enter_ns - first_enter_ns AS spread_ns,
-           c_nbytes * {_BUS_SQL} AS bus_bytes,
-           bus_bytes * 1e9 / xfer_ns AS bw_Bps,
+    SELECT pg, fam, members, c_step, first_enter_ns, done_ns, xfer_ns, spread_ns, bus_bytes, bw_Bps,
            toInt64(floor(log2(toFloat64(c_nbytes)) / 2)) AS size_bucket,
            {win} AS win
     FROM
     (
-        SELECT pg, seq,
-               {_FAMILY_SQL} AS fam,
-               count() AS members,
-               max(nbytes) AS c_nbytes,
-               max(step) AS c_step,
-               min(enter_ns) AS first_enter_ns,
-               max(enter_ns) AS last_enter_ns,
-               if(count() <= 2, max(end_ns), quantileExact(0.5)(end_ns)) AS done_ns
-        FROM collectives
-        WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND op != 'barrier'
-        GROUP BY pg, seq
-        HAVING members >= 2 AND min(end_ns) > 0 AND c_nbytes >= {int(min_bytes)} AND seq > 1{step_filter}
+{inner}
     )
-    WHERE fam != ''
 )
 GROUP BY pg, fam, size_bucket, win
 ORDER BY win, pg, fam, size_bucket
