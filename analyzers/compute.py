@@ -22,18 +22,19 @@ from ranklens.store.api import sql_escape as _esc
 __all__ = ["ComputeMatrix", "compute_matrix", "compute_sql", "phase_compute_sql"]
 
 
-def _waits_subquery(job_id: str, attempt: int, min_step: int = 0) -> str:
+def _waits_subquery(job_id: str, attempt: int, min_step: int = 0, max_step: int | None = None) -> str:
     # A collective with no completion time (end_ns = 0: one only torch's flight-recorder ring saw,
     # e.g. a DTensor/functional collective on gloo) cannot have completed before its group's last
     # member arrived: that arrival stands for its completion, so a rank waiting for a late peer is
     # still seen blocked (taking its own arrival instead made the wait vanish, and the straggler with it).
     where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+    upto = f" AND step <= {int(max_step)}" if max_step is not None else ""
     return (
         "SELECT rank, step, groupArray(enter_ns) AS enters, "
         "groupArray(if(end_ns > 0, end_ns, greatest(last_enter_ns, enter_ns))) AS ends, "
         "groupArray(async_op) AS asyncs "
         f"FROM (SELECT rank, step, pg, seq, enter_ns, end_ns, async_op FROM collectives "
-        f"WHERE {where} AND step >= {int(min_step)}) AS cc "
+        f"WHERE {where} AND step >= {int(min_step)}{upto}) AS cc "
         "ALL LEFT JOIN (SELECT pg, seq, max(enter_ns) AS last_enter_ns FROM collectives "
         f"WHERE {where} AND end_ns = 0 GROUP BY pg, seq) AS lg USING (pg, seq) "
         "GROUP BY rank, step"
@@ -53,13 +54,16 @@ _WAIT_EXPR = (
 )
 
 
-def compute_sql(job_id: str, attempt: int, min_step: int = 0) -> str:
-    """Per (rank, step) from ``min_step`` on: step duration and time inside collectives."""
+def compute_sql(job_id: str, attempt: int, min_step: int = 0, max_step: int | None = None) -> str:
+    """THE compute metric, per (rank, step) from ``min_step`` (to ``max_step``): ``dur_ns`` (the
+    step's duration) and ``wait_ns`` (time inside collectives); compute = dur - min(wait, dur). The
+    straggler analyzer and the dashboards' compute heat map read these rows."""
+    upto = f" AND step <= {int(max_step)}" if max_step is not None else ""
     return f"""
 SELECT rank, step, end_ns - start_ns AS dur_ns, {_WAIT_EXPR} AS wait_ns, start_ns
 FROM (SELECT rank, step, start_ns, end_ns FROM steps
-      WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= {int(min_step)}) AS s
-ALL LEFT JOIN ({_waits_subquery(job_id, attempt, min_step)}) AS c USING (rank, step)
+      WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= {int(min_step)}{upto}) AS s
+ALL LEFT JOIN ({_waits_subquery(job_id, attempt, min_step, max_step)}) AS c USING (rank, step)
 ORDER BY step, rank
 """.strip()
 
