@@ -126,7 +126,8 @@ class Worker:
         self._jobs: collections.deque[tuple[str, Callable[[], Any]]] = collections.deque()
         self._tick_thread: threading.Thread | None = None
         self._job_thread: threading.Thread | None = None
-        self._closing = False
+        self._closing = False  # no new work; the tick thread ends
+        self._draining = False  # the job thread runs what is queued, then the final job, then ends
         self._final: Callable[[], Any] | None = None
         self._final_ran = False
         self._running_job = ""  # name of the job running now ("" none)
@@ -271,7 +272,7 @@ class Worker:
     def _job_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._jobs and not self._closing:
+                while not self._jobs and not self._draining:
                     self._job_cv.wait()
                 if not self._jobs:  # closing and drained: the final job, then stop
                     final, self._final = self._final, None
@@ -297,22 +298,28 @@ class Worker:
 
     # -- stopping -----------------------------------------------------------------------------------
     def close(self, timeout_s: float = 5.0, final: Callable[[], Any] | None = None) -> CloseReport:
-        """Stop: no new work; the queued jobs run, then ``final`` (e.g. a last flush), all within
-        ``timeout_s``. Never raises; a job stuck past the timeout is left running (daemon thread)
-        and named in the report. Called from a worker thread itself it does not wait for that thread."""
+        """Stop: no new work; the tick thread ends (after a task in progress), then the queued
+        jobs run and ``final`` (e.g. a last flush: no periodic task runs beside it), all within
+        ``timeout_s``. Never raises; a task or job stuck past the timeout is left running (daemon
+        threads) and named in the report. Called from a worker thread itself it does not wait for
+        that thread."""
         deadline = time.monotonic() + max(0.0, timeout_s)
+        me = threading.current_thread()
         with self._lock:
             self._closing = True
-            self._final = final
-            if final is not None:
-                self._ensure_jobs()
             self._tick_cv.notify_all()
+            tick = self._tick_thread
+        if tick is not None and tick is not me:
+            tick.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._draining = True
+            self._final = final
+            if final is not None or self._jobs:
+                self._ensure_jobs()
             self._job_cv.notify_all()
-            threads = [t for t in (self._tick_thread, self._job_thread) if t is not None]
-        me = threading.current_thread()
-        for t in threads:
-            if t is not me:
-                t.join(max(0.0, deadline - time.monotonic()))
+            jobs = self._job_thread
+        if jobs is not None and jobs is not me:
+            jobs.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             unfinished = []
             if self._running_task and self._tick_thread is not None and self._tick_thread.is_alive():

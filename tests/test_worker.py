@@ -227,3 +227,27 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="max_queue must be >= 1"):
         Worker("q", max_queue=0)
     w.close(1.0)
+
+
+def test_the_final_job_never_runs_beside_a_periodic_task():
+    """close() ends the tick thread before the final job: a last flush never overlaps a poll."""
+    w = Worker("overlap")
+    state = {"in_tick": 0, "overlap": None, "ticks": 0}
+    ticking = threading.Event()
+
+    def tick():
+        state["in_tick"] += 1
+        state["ticks"] += 1
+        sum(range(20_000))  # a poll that takes a while
+        if state["ticks"] >= 3:
+            ticking.set()
+        state["in_tick"] -= 1
+
+    def final():
+        state["overlap"] = state["in_tick"]
+
+    w.every(0.0005, tick, name="poll")
+    assert ticking.wait(WAIT_S)
+    report = w.close(WAIT_S, final=final)
+    assert report.clean and report.final_ran
+    assert state["overlap"] == 0
