@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ranklens._guard import require_installed_name
 from ranklens.analyzers.blame import BlameMatrix, compute_blame, latest_job
 from ranklens.analyzers.correlate import correlate_findings
 from ranklens.analyzers.detectors import Detection, PeerComputeDetector, PersistentBlameDetector, StragglerDetector
@@ -9,6 +10,8 @@ from ranklens.analyzers.findings import Finding, Severity, Suspect, latest_findi
 from ranklens.analyzers.links import find_slow_links
 from ranklens.analyzers.straggler import find_stragglers
 from ranklens.analyzers.tomography import GroupTestingDetector
+
+require_installed_name(__name__, "ranklens.analyzers")  # not `import analyzers` from the repository root
 
 __all__ = [
     "BlameMatrix",

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ranklens._guard import require_installed_name
+
+require_installed_name(__name__, "ranklens.dashboards")  # not `import dashboards` from the repository root
+
 __all__ = ["run_dashboard"]
 
 

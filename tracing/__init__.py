@@ -30,9 +30,12 @@ import time
 import uuid
 from typing import Any
 
+from ranklens._guard import require_installed_name
 from ranklens.config import DEFAULT_SPOOL_DIR as DEFAULT_SPOOL
 from ranklens.config import ENV_ATTEMPT, ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL, env_float, env_int
 from ranklens.tracing.tracer import Tracer
+
+require_installed_name(__name__, "ranklens.tracing")  # not `import tracing` from the repository root
 
 __all__ = ["Tracer", "allreduce_hook", "get_tracer", "init", "instrument_ddp", "phase", "shutdown", "step"]
 
