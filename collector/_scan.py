@@ -223,7 +223,7 @@ def make_scanner(patterns: Sequence[tuple[str, bool]], engine: str = "auto") -> 
                 raise ConfigError(f"log filter engine {name}: {e}") from None
             log.warning("ranklens log filter: %s; trying the next engine", e)
             errors.append(str(e))
-    if errors:  # pragma: no cover - 're' accepts everything Rule() accepted
+    if errors:  # pragma: no cover - 're' accepts everything LogRule() accepted
         raise ConfigError("no log filter engine accepts the rules: " + "; ".join(errors))
     raise AssertionError("unreachable")
 

@@ -56,8 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ranklens._metrics_http import MetricsServer
 from ranklens.collector.liveness import LivenessWatcher
-from ranklens.collector.metrics import CollectorMetrics, MetricsServer
+from ranklens.collector.metrics import CollectorMetrics
 from ranklens.collector.nvml import GpuSampler
 from ranklens.collector.outbox import COLLECTOR_DIR, Outbox
 from ranklens.collector.rules import RuleSet, load_rules, read_config_file, rules_from_config

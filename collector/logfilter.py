@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ranklens.collector._scan import Scanner, make_scanner
-from ranklens.collector.rules import Action, Rule, RuleSet, load_rules
+from ranklens.collector.rules import Action, LogRule, RuleSet, load_rules
 
 __all__ = [
     "FilterStats",
@@ -188,7 +188,7 @@ class LogFilter:
 
     def __init__(self, rules: RuleSet | None = None, *, engine: str = "auto") -> None:
         self.rules = rules or RuleSet.builtin()
-        self._rules: tuple[Rule, ...] = self.rules.rules
+        self._rules: tuple[LogRule, ...] = self.rules.rules
         self.scanner: Scanner = make_scanner([(r.pattern, r.ignore_case) for r in self._rules], engine)
         self.engine = self.scanner.name
         # candidate rule indexes are tried best first: priority, then rule order
@@ -199,7 +199,7 @@ class LogFilter:
         """A filter for one stream (file): it keeps context, partial lines and open tracebacks."""
         return StreamFilter(self, source=source, stream=stream, rank=rank)
 
-    def classify_line(self, text: str, ids: Sequence[int] | None = None) -> Rule | None:
+    def classify_line(self, text: str, ids: Sequence[int] | None = None) -> LogRule | None:
         """The winning rule for one line (``None``: no rule matches)."""
         order = self._order if ids is None else sorted(ids, key=self._rank_of.__getitem__)
         rules = self._rules
@@ -236,7 +236,7 @@ class StreamFilter:
         self._pending = b""  # fed, not processed yet
         self.skipping = False  # inside a line cut at MAX_LINE_BYTES: drop bytes up to its newline
         self._buf = bytearray()
-        self._class_cache: dict[str, Rule | None] = {}
+        self._class_cache: dict[str, LogRule | None] = {}
         self._groups: dict[tuple[str, str], _Group] = {}
         self._ready: list[LogEvent] = []
         self._n_ctx = lf.rules.context_lines
@@ -449,8 +449,8 @@ class StreamFilter:
         return limit, line_no - self.stats.lines_read + work.count(b"\n", line_pos, limit)
 
     def _extent(
-        self, work: Any, ls: int, le: int, limit: int, rule: Rule, cands: dict[int, Any], idle: bool
-    ) -> tuple[int, Rule, bool] | None:
+        self, work: Any, ls: int, le: int, limit: int, rule: LogRule, cands: dict[int, Any], idle: bool
+    ) -> tuple[int, LogRule, bool] | None:
         """End offset of the event starting at ``ls``, the rule that classifies it, truncated?
 
         The event grows by *units* that explain the line before them: a C++/CUDA trailer line, a
@@ -556,9 +556,9 @@ class StreamFilter:
         truncated = lines >= MAX_EVENT_LINES
         return pos, best, truncated
 
-    def _unit_rule(self, work: Any, s: int, e: int, cands: dict[int, Any]) -> Rule | None:
+    def _unit_rule(self, work: Any, s: int, e: int, cands: dict[int, Any]) -> LogRule | None:
         """The rule that classifies the lines ``work[s:e]``: the best specific one, else a generic one."""
-        best: Rule | None = None
+        best: LogRule | None = None
         classify = self._lf.classify_line
         p = s
         while p < e:

@@ -8,7 +8,8 @@ global registry, so several agents (or tests) in one process do not collide.
 GPU gauges are produced at scrape time from the latest NVML reading (a custom collector), so a GPU
 that disappears stops being exported instead of freezing at its last value. Per-rank metrics
 (``ranklens_rank_*``: last step's duration, time blocked in collectives, newest heartbeat) come
-from the rows the collector ships for the ranks of its node.
+from the rows the collector ships for the ranks of its node. The endpoint that serves them is
+:class:`ranklens._metrics_http.MetricsServer`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from prometheus_client.registry import Collector
 from ranklens.collector.logfilter import FilterStats
 from ranklens.collector.shipper import ShipResult
 
-__all__ = ["CollectorMetrics", "MetricsServer", "serve_metrics"]
+__all__ = ["CollectorMetrics"]
 
 NS = "ranklens"
 
@@ -293,52 +294,3 @@ class CollectorMetrics:
     def observe_gpus(self, samples: Sequence[Mapping[str, Any]], extras: Sequence[Mapping[str, float]]) -> None:
         """The latest GPU reading (what the GPU gauges show)."""
         self._gpu.update(samples, extras)
-
-
-class MetricsServer:
-    """``/metrics`` over HTTP in a daemon thread.
-
-    Args:
-        registry: what to expose.
-        port: TCP port (0: a free one; read :attr:`port` after :meth:`start`).
-        addr: address to bind (``0.0.0.0`` so Prometheus can scrape the node; ``127.0.0.1`` in tests).
-    """
-
-    def __init__(self, registry: CollectorRegistry, *, port: int = 0, addr: str = "0.0.0.0") -> None:
-        self.registry = registry
-        self.addr = addr
-        self.port = port
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> int:
-        """Start serving; returns the port."""
-        from prometheus_client import start_http_server
-
-        from ranklens.errors import ConfigError
-
-        try:
-            self._server, self._thread = start_http_server(self.port, addr=self.addr, registry=self.registry)
-        except OSError as e:
-            raise ConfigError(
-                f"cannot serve metrics on {self.addr}:{self.port}: {e.strerror}; pick another --metrics-port"
-            ) from None
-        self.port = int(self._server.server_address[1])
-        return self.port
-
-    def close(self) -> None:
-        """Stop serving and release the port."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-
-
-def serve_metrics(registry: CollectorRegistry, *, port: int = 0, addr: str = "0.0.0.0") -> MetricsServer:
-    """Start a :class:`MetricsServer` and return it (``.port`` is the bound port)."""
-    s = MetricsServer(registry, port=port, addr=addr)
-    s.start()
-    return s

@@ -1,6 +1,6 @@
 """The log filter's rule set: built-in rules for distributed-training failures, plus user rules.
 
-A :class:`Rule` is one regular expression with the class (``klass``) and severity of the lines it
+A :class:`LogRule` is one regular expression with the class (``klass``) and severity of the lines it
 keeps. The highest ``priority`` rule that matches a line decides its class; a rule with
 ``action="drop"`` that wins throws the line away (counted), which is how a user silences a noisy
 line that a built-in rule would keep.
@@ -54,7 +54,7 @@ __all__ = [
     "BUILTIN_RULES",
     "CLASSES",
     "Action",
-    "Rule",
+    "LogRule",
     "RuleSet",
     "Severity",
     "load_rules",
@@ -88,7 +88,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 @dataclass(frozen=True)
-class Rule:
+class LogRule:
     """One classification rule.
 
     Args:
@@ -156,8 +156,8 @@ def _r(
     *,
     ci: bool = False,
     block: str = "",
-) -> Rule:
-    return Rule(name, klass, pattern, Severity(severity), priority, ci, Action.KEEP, block)
+) -> LogRule:
+    return LogRule(name, klass, pattern, Severity(severity), priority, ci, Action.KEEP, block)
 
 
 # Rules are written per failure *family* (what a component prints when that kind of thing goes
@@ -169,7 +169,7 @@ def _r(
 # line is nccl_error (NCCL printed it) although it names a CUDA error; "CUDA error: out of memory"
 # is cuda_oom, not cuda_error; a watchdog line is classified by the cause it names; a c10d store
 # failure met while setting up NCCL is network.
-BUILTIN_RULES: tuple[Rule, ...] = (
+BUILTIN_RULES: tuple[LogRule, ...] = (
     # --- GPU / kernel driver (dmesg) -------------------------------------------------------
     _r(
         "xid_hw",
@@ -495,7 +495,7 @@ class RuleSet:
         context_lines: lines kept before each event (0..20).
     """
 
-    rules: tuple[Rule, ...]
+    rules: tuple[LogRule, ...]
     context_lines: int = 3
 
     def __post_init__(self) -> None:
@@ -514,7 +514,7 @@ class RuleSet:
         """The built-in rules."""
         return cls(BUILTIN_RULES, context_lines=context_lines)
 
-    def with_rules(self, extra: Iterable[Rule], *, disable: Sequence[str] = ()) -> RuleSet:
+    def with_rules(self, extra: Iterable[LogRule], *, disable: Sequence[str] = ()) -> RuleSet:
         """A copy with ``extra`` rules added (a rule of the same name replaces the old one)."""
         extra = list(extra)
         names = {r.name for r in self.rules}
@@ -535,7 +535,7 @@ class RuleSet:
         return out
 
 
-def _rule_from_mapping(d: Mapping[str, Any], where: str) -> Rule:
+def _rule_from_mapping(d: Mapping[str, Any], where: str) -> LogRule:
     allowed = {"name", "class", "klass", "pattern", "severity", "priority", "ignore_case", "action", "block"}
     unknown = set(d) - allowed
     if unknown:
@@ -566,7 +566,7 @@ def _rule_from_mapping(d: Mapping[str, Any], where: str) -> Rule:
     if not isinstance(block, str):
         raise ConfigError(f"{where}: block={block!r} must be a string")
     try:
-        return Rule(str(d["name"]), klass, str(d["pattern"]), severity, priority, ignore_case, action, block)
+        return LogRule(str(d["name"]), klass, str(d["pattern"]), severity, priority, ignore_case, action, block)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 

@@ -399,12 +399,12 @@ def _print_history(history: Any) -> None:
 def _engine(policy_file: str | None, store: Any, outbox_dir: str | None) -> Any:
     import os
 
-    from ranklens.analyzers.recovery import Engine, load_policy
+    from ranklens.analyzers.recovery import RecoveryEngine, load_policy
 
     if not policy_file:
         raise click.UsageError("needs --policy FILE (or RANKLENS_POLICY)")
     outbox = outbox_dir or os.path.join(os.path.expanduser("~"), ".ranklens", "outbox")
-    return Engine(load_policy(policy_file), store, outbox)
+    return RecoveryEngine(load_policy(policy_file), store, outbox)
 
 
 def _print_report(report: Any) -> None:
@@ -439,17 +439,13 @@ def _follow(
     if metrics_port is not None:
         from prometheus_client import CollectorRegistry
 
-        from ranklens.analyzers.recovery import FindingsExporter, serve_metrics
+        from ranklens._metrics_http import serve_metrics
+        from ranklens.analyzers.recovery import FindingsExporter
 
         registry = CollectorRegistry()
         exporter = FindingsExporter(registry)
-        try:
-            server = serve_metrics(registry, port=metrics_port, addr=metrics_addr)
-        except OSError as e:
-            where = f"--metrics-addr {metrics_addr} --metrics-port {metrics_port}"
-            raise click.UsageError(f"{where}: cannot bind: {e}") from None
-        shown = f"[{metrics_addr}]" if ":" in metrics_addr else metrics_addr
-        click.echo(f"metrics on http://{shown}:{server.port}/metrics", err=True)
+        server = serve_metrics(registry, port=metrics_port, addr=metrics_addr)  # MetricsBindError: exit 2
+        click.echo(f"metrics on {server.url}", err=True)
     if not as_json:
         click.echo(f"following job {job_id} attempt {attempt} every {interval:g} s (Ctrl-C to stop)", err=True)
     live = LiveAnalysis(store, job_id, attempt, save=save, engine=engine, exporter=exporter, window_steps=window_steps)

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from ranklens.analyzers.findings import Finding, Severity, Suspect, finding_id
-from ranklens.analyzers.recovery import Endpoint, Guards, Level, Policy, Rule
+from ranklens.analyzers.recovery import Endpoint, Guards, Level, Policy, PolicyRule
 
 SECRET = "s3cret-for-tests-0123456789abcdef"
 
@@ -76,7 +76,7 @@ def policy(
     timeout_s: float = 2.0,
     max_attempts: int = 5,
     backoff_base_s: float = 0.01,
-    rules: tuple[Rule, ...] | None = None,
+    rules: tuple[PolicyRule, ...] | None = None,
 ) -> Policy:
     endpoints = ()
     if url is not None:
@@ -92,7 +92,7 @@ def policy(
             ),
         )
     return Policy(
-        rules=rules or (Rule(name="stragglers", kinds=("straggler",), min_confidence=0.8, level=level),),
+        rules=rules or (PolicyRule(name="stragglers", kinds=("straggler",), min_confidence=0.8, level=level),),
         guards=guards or Guards(cooldown_s=1800, max_actions_per_job_per_hour=3, escalate_after=2),
         endpoints=endpoints,
         dry_run=dry_run,

@@ -23,9 +23,9 @@ from ranklens.analyzers import find_stragglers, save_findings
 from ranklens.analyzers.recovery import (
     AlertAttacher,
     AlertmanagerReceiver,
-    Engine,
     FindingsExporter,
     HookRegistry,
+    RecoveryEngine,
     serve_metrics,
 )
 from ranklens.analyzers.recovery.testing import WebhookReceiver
@@ -159,7 +159,7 @@ receivers:
         for fh in logs.values():
             fh.close()
         receiver.shutdown()
-        metrics.stop()
+        metrics.close()
     straggler = [r for r in rows if r["target"] == "alertmanager:RanklensStraggler"]
     assert straggler, (tmp_path / "prometheus.log").read_text()[-3000:] + (tmp_path / "alertmanager.log").read_text()[
         -3000:
@@ -174,7 +174,7 @@ def test_policy_fires_signed_webhook_for_analyzed_straggler(embedded_store, tmp_
     findings = straggler_findings(embedded_store)
     with WebhookReceiver(SECRET) as rx:
         pol = policy(url=rx.url, rules=None)
-        with Engine(pol, embedded_store, tmp_path / "ob", hooks=HookRegistry()) as eng:
+        with RecoveryEngine(pol, embedded_store, tmp_path / "ob", hooks=HookRegistry()) as eng:
             report = eng.process(findings)
     assert report.deliveries.acknowledged == 1
     [got] = rx.accepted

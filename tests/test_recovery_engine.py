@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ranklens.analyzers.recovery import Engine, Guards, HookRegistry, Level, Rule
+from ranklens.analyzers.recovery import Guards, HookRegistry, Level, PolicyRule, RecoveryEngine
 from ranklens.analyzers.recovery.testing import WebhookReceiver
 from tests.recovery_helpers import SECRET, Clock, finding, policy
 
@@ -25,7 +25,9 @@ def test_signed_webhook_payload_and_audit_rows(embedded_store, tmp_path):
     clock = Clock()
     f = finding(now_ns=clock.ns)
     with WebhookReceiver(SECRET) as rx:
-        eng = Engine(policy(url=rx.url), embedded_store, tmp_path / "outbox", hooks=HookRegistry(), clock_ns=clock)
+        eng = RecoveryEngine(
+            policy(url=rx.url), embedded_store, tmp_path / "outbox", hooks=HookRegistry(), clock_ns=clock
+        )
         report = eng.process([f])
         eng.close()
     assert [d.level for d in report.decisions] == [Level.RESTART_RANK]
@@ -64,11 +66,11 @@ def test_rerunning_analysis_does_not_refire(embedded_store, tmp_path):
     f = finding(now_ns=clock.ns)
     with WebhookReceiver(SECRET) as rx:
         pol = policy(url=rx.url)
-        Engine(pol, embedded_store, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock).process([f])
+        RecoveryEngine(pol, embedded_store, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock).process([f])
         clock.advance(7200)  # past the cool-down: only idempotency can stop it now
-        again = Engine(pol, embedded_store, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock).process([f])
+        again = RecoveryEngine(pol, embedded_store, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock).process([f])
         # a second deployment with its own outbox also sees the decision, through the store
-        other = Engine(pol, embedded_store, tmp_path / "ob2", hooks=HookRegistry(), clock_ns=clock).process([f])
+        other = RecoveryEngine(pol, embedded_store, tmp_path / "ob2", hooks=HookRegistry(), clock_ns=clock).process([f])
     assert again.decisions == [] and again.already_decided == [f.id]
     assert other.decisions == [] and other.already_decided == [f.id]
     assert len(rx.requests) == 1
@@ -85,7 +87,9 @@ def test_dry_run_records_and_delivers_only_as_notify(embedded_store, tmp_path):
         lambda d: calls.append(("notify", d.delivered_level.value, d.dry_run)), name="pager", levels=["notify"]
     )
     with WebhookReceiver(SECRET) as rx:
-        eng = Engine(policy(url=rx.url, dry_run=True), embedded_store, tmp_path / "ob", hooks=hooks, clock_ns=clock)
+        eng = RecoveryEngine(
+            policy(url=rx.url, dry_run=True), embedded_store, tmp_path / "ob", hooks=hooks, clock_ns=clock
+        )
         report = eng.process([finding(now_ns=clock.ns)])
         eng.close()
     assert report.decisions[0].dry_run
@@ -99,7 +103,7 @@ def test_dry_run_records_and_delivers_only_as_notify(embedded_store, tmp_path):
 def test_cooldown_stops_a_flapping_finding(embedded_store, tmp_path):
     clock = Clock()
     pol = policy(guards=Guards(cooldown_s=1800, max_actions_per_job_per_hour=10, escalate_after=0))
-    eng = Engine(pol, embedded_store, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock)
+    eng = RecoveryEngine(pol, embedded_store, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock)
     first = eng.process([finding(attempt=0, now_ns=clock.ns)])
     assert [d.suppressed_by for d in first.decisions] == [""]
     # the same finding resolves and comes back: same id, nothing new
@@ -126,7 +130,7 @@ def test_cooldown_stops_a_flapping_finding(embedded_store, tmp_path):
 def test_cap_per_job_per_hour(embedded_store, tmp_path):
     clock = Clock()
     pol = policy(guards=Guards(cooldown_s=0, max_actions_per_job_per_hour=2, escalate_after=0))
-    eng = Engine(pol, embedded_store, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock)
+    eng = RecoveryEngine(pol, embedded_store, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock)
     r = eng.process([finding(rank=k, now_ns=clock.ns) for k in range(3)])
     assert [d.suppressed_by for d in r.decisions] == ["", "", "rate_cap"]
     # another job is not capped by this one
@@ -142,7 +146,7 @@ def test_escalation_after_two_failed_restarts(embedded_store, tmp_path):
     levels = []
     for attempt in range(3):
         # a fresh engine each time: the history the guards need comes from the store
-        with Engine(pol, embedded_store, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock) as eng:
+        with RecoveryEngine(pol, embedded_store, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock) as eng:
             d = eng.process([finding(attempt=attempt, now_ns=clock.ns)]).decisions[0]
         levels.append((d.level, d.target, d.escalated_from))
         clock.advance(900)
@@ -173,7 +177,7 @@ def test_hook_that_raises_or_hangs_does_not_stall(embedded_store, tmp_path):
 
     clock = Clock()
     pol = policy(guards=Guards(cooldown_s=0, max_actions_per_job_per_hour=10, escalate_after=0))
-    eng = Engine(pol, embedded_store, tmp_path / "ob", hooks=hooks, clock_ns=clock)
+    eng = RecoveryEngine(pol, embedded_store, tmp_path / "ob", hooks=hooks, clock_ns=clock)
     t0 = time.monotonic()
     r1 = eng.process([finding(rank=1, now_ns=clock.ns)])
     r2 = eng.process([finding(rank=3, now_ns=clock.ns)])  # "stuck" still hangs from the first call
@@ -212,10 +216,10 @@ class _DownStore:
 def test_store_down_only_notify_goes_ahead_and_audit_rows_wait(embedded_store, tmp_path):
     clock = Clock()
     rules = (
-        Rule(name="restart", kinds=("straggler",), level=Level.RESTART_RANK),
-        Rule(name="tell", kinds=("hang",), level=Level.NOTIFY),
+        PolicyRule(name="restart", kinds=("straggler",), level=Level.RESTART_RANK),
+        PolicyRule(name="tell", kinds=("hang",), level=Level.NOTIFY),
     )
-    eng = Engine(policy(rules=rules), _DownStore(), tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock)
+    eng = RecoveryEngine(policy(rules=rules), _DownStore(), tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock)
     r = eng.process([finding(now_ns=clock.ns), finding(kind="hang", rank=0, now_ns=clock.ns)])
     assert [(d.level, d.suppressed_by) for d in r.decisions] == [
         (Level.RESTART_RANK, "history_unavailable"),
@@ -224,7 +228,7 @@ def test_store_down_only_notify_goes_ahead_and_audit_rows_wait(embedded_store, t
     assert eng.pending()["audit_queued"] == 2
     eng.close()
     # the store is back: the queued rows reach it
-    eng = Engine(policy(rules=rules), embedded_store, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock)
+    eng = RecoveryEngine(policy(rules=rules), embedded_store, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock)
     assert eng.flush_audit() == 2
     assert eng.pending()["audit_queued"] == 0
     eng.close()

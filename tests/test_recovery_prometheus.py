@@ -18,7 +18,7 @@ from ranklens.analyzers.findings import save_findings
 from ranklens.analyzers.recovery import (
     AlertAttacher,
     AlertmanagerReceiver,
-    Engine,
+    RecoveryEngine,
     FindingsExporter,
     HookRegistry,
     RecoveryMetrics,
@@ -55,7 +55,7 @@ def test_findings_exported_with_stable_labels():
         exp.update([f_open])  # the next analysis: f_done gone, f_open unchanged
         m2 = scrape(server.port)
     finally:
-        server.stop()
+        server.close()
     opened = {s.labels["finding_id"]: s for s in m["ranklens_finding_open"]}
     assert opened[f_open.id].value == 1 and opened[f_done.id].value == 0
     assert opened[f_open.id].labels == {
@@ -82,7 +82,7 @@ def test_findings_exported_with_stable_labels():
 def test_recovery_metrics_count_decisions(embedded_store, tmp_path):
     reg = CollectorRegistry()
     clock = Clock()
-    eng = Engine(
+    eng = RecoveryEngine(
         policy(dry_run=True),
         embedded_store,
         tmp_path / "ob",

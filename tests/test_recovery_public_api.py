@@ -21,7 +21,7 @@ DOC = ROOT / "docs/recovery.md"
 
 def test_public_names():
     assert {
-        "Engine",
+        "RecoveryEngine",
         "Policy",
         "load_policy",
         "hook",
@@ -30,11 +30,13 @@ def test_public_names():
         "verify_signature",
         "FindingsExporter",
         "AlertmanagerReceiver",
-        "Outbox",
+        "DeliveryOutbox",
         "Level",
     } <= set(recovery.__all__)
     for name in recovery.__all__:
         assert hasattr(recovery, name), name
+    # names that meant two things in the tree (issue 13): the simulator's engine, the spool outbox, log rules
+    assert not {"Engine", "Outbox", "Rule"} & set(dir(recovery))
 
 
 def test_importing_recovery_does_not_import_prometheus_client():

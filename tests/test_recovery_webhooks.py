@@ -12,7 +12,7 @@ import time
 import pytest
 
 from ranklens.analyzers.recovery import (
-    Engine,
+    RecoveryEngine,
     HookRegistry,
     Level,
     PayloadTooLarge,
@@ -38,7 +38,7 @@ def actions(store) -> list[dict]:
 
 
 def engine(pol, store, outbox, clock, **kw):
-    return Engine(
+    return RecoveryEngine(
         pol, store, outbox, hooks=HookRegistry(), clock_ns=clock, sleep=clock.sleep, rng=random.Random(0), **kw
     )
 
@@ -269,11 +269,11 @@ def test_unreachable_port_is_retryable():
 
 
 def test_two_processes_sharing_an_outbox_never_claim_the_same_delivery(tmp_path):
-    from ranklens.analyzers.recovery import Outbox
+    from ranklens.analyzers.recovery import DeliveryOutbox
     from ranklens.analyzers.recovery.outbox import NewDelivery
 
     clock = Clock()
-    a, b = Outbox(tmp_path / "ob", clock_ns=clock), Outbox(tmp_path / "ob", clock_ns=clock)
+    a, b = DeliveryOutbox(tmp_path / "ob", clock_ns=clock), DeliveryOutbox(tmp_path / "ob", clock_ns=clock)
     try:
         assert a.record_decision(
             key="k1",

@@ -3,7 +3,7 @@
 See ``docs/recovery.md``. The pieces:
 
 - :mod:`.policy`: the TOML policy (rules, guards, endpoints; dry-run by default)
-- :mod:`.engine`: :class:`Engine` turns findings into decisions and carries them out, idempotently
+- :mod:`.engine`: :class:`RecoveryEngine` turns findings into decisions and carries them out, idempotently
 - :mod:`.webhooks`, :mod:`.outbox`, :mod:`.payload`, :mod:`.signing`: signed, durable, retried webhooks
 - :mod:`.hooks`: ``@hook("straggler")`` Python remediation, bounded by a timeout
 - :mod:`.prometheus`, :mod:`.alertmanager`: findings as metrics; Alertmanager alerts attached to findings
@@ -14,6 +14,7 @@ Heavy or optional dependencies (prometheus-client) are imported only where used.
 
 from __future__ import annotations
 
+from ranklens._metrics_http import serve_metrics
 from ranklens.analyzers.recovery.alertmanager import AlertAttacher, AlertmanagerReceiver, parse_alertmanager
 from ranklens.analyzers.recovery.api import (
     Decision,
@@ -26,12 +27,12 @@ from ranklens.analyzers.recovery.api import (
     SignatureError,
     idempotency_key,
 )
-from ranklens.analyzers.recovery.engine import Engine, RunReport, act_on
+from ranklens.analyzers.recovery.engine import RecoveryEngine, RunReport, act_on
 from ranklens.analyzers.recovery.hooks import HookRegistry, HookSpec, default_registry, hook
-from ranklens.analyzers.recovery.outbox import Outbox
+from ranklens.analyzers.recovery.outbox import DeliveryOutbox
 from ranklens.analyzers.recovery.payload import PAYLOAD_SCHEMA, PAYLOAD_VERSION, build_payload
-from ranklens.analyzers.recovery.policy import Endpoint, Guards, Policy, Rule, load_policy, parse_policy
-from ranklens.analyzers.recovery.prometheus import FindingsExporter, RecoveryMetrics, serve_metrics
+from ranklens.analyzers.recovery.policy import Endpoint, Guards, Policy, PolicyRule, load_policy, parse_policy
+from ranklens.analyzers.recovery.prometheus import FindingsExporter, RecoveryMetrics
 from ranklens.analyzers.recovery.signing import sign, verify_request, verify_signature
 from ranklens.analyzers.recovery.webhooks import HttpClientTransport, HttpResult, Transport, WebhookDispatcher
 
@@ -42,8 +43,8 @@ __all__ = [
     "AlertmanagerReceiver",
     "Decision",
     "DeliveryError",
+    "DeliveryOutbox",
     "Endpoint",
-    "Engine",
     "FindingsExporter",
     "Guards",
     "HookRegistry",
@@ -51,14 +52,14 @@ __all__ = [
     "HttpClientTransport",
     "HttpResult",
     "Level",
-    "Outbox",
     "Outcome",
     "PayloadTooLarge",
     "Policy",
     "PolicyError",
+    "PolicyRule",
+    "RecoveryEngine",
     "RecoveryError",
     "RecoveryMetrics",
-    "Rule",
     "RunReport",
     "SignatureError",
     "Transport",

@@ -24,13 +24,13 @@ from ranklens.analyzers.findings import Finding
 from ranklens.analyzers.recovery.api import Decision, Level, PayloadTooLarge, idempotency_key
 from ranklens.analyzers.recovery.audit import History, action_row, load_history
 from ranklens.analyzers.recovery.hooks import HookRegistry, default_registry
-from ranklens.analyzers.recovery.outbox import NewDelivery, Outbox
+from ranklens.analyzers.recovery.outbox import DeliveryOutbox, NewDelivery
 from ranklens.analyzers.recovery.payload import build_payload
 from ranklens.analyzers.recovery.policy import Policy
 from ranklens.analyzers.recovery.webhooks import DeliveryStats, Transport, WebhookDispatcher
 from ranklens.store.api import Store
 
-__all__ = ["Engine", "RunReport", "act_on", "target_for"]
+__all__ = ["RecoveryEngine", "RunReport", "act_on", "target_for"]
 
 logger = logging.getLogger("ranklens.recovery")
 HOUR_NS = 3600 * 10**9
@@ -56,7 +56,7 @@ def target_for(f: Finding, level: Level) -> str:
 
 @dataclass
 class RunReport:
-    """What :meth:`Engine.process` did: decisions taken, those skipped as already taken, deliveries."""
+    """What :meth:`RecoveryEngine.process` did: decisions taken, those skipped as already taken, deliveries."""
 
     decisions: list[Decision] = field(default_factory=list)
     already_decided: list[str] = field(default_factory=list)
@@ -94,7 +94,7 @@ class RunReport:
         }
 
 
-class Engine:
+class RecoveryEngine:
     """Decides and carries out recovery actions for findings.
 
     Args:
@@ -125,7 +125,7 @@ class Engine:
         self.store = store
         self.hooks = hooks if hooks is not None else default_registry
         self._clock_ns = clock_ns
-        self.outbox = Outbox(outbox_dir, clock_ns=clock_ns)
+        self.outbox = DeliveryOutbox(outbox_dir, clock_ns=clock_ns)
         self.metrics = metrics
         self.dispatcher = WebhookDispatcher(
             self.outbox,
@@ -404,7 +404,7 @@ class Engine:
         self.flush_audit()
         self.outbox.close()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> RecoveryEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -420,8 +420,8 @@ def act_on(
     drain_timeout_s: float = 0.0,
     **kwargs: Any,
 ) -> RunReport:
-    """One-shot: build an :class:`Engine`, process ``findings``, optionally drain retries, close."""
-    with Engine(policy, store, outbox_dir, **kwargs) as engine:
+    """One-shot: build a :class:`RecoveryEngine`, process ``findings``, optionally drain retries, close."""
+    with RecoveryEngine(policy, store, outbox_dir, **kwargs) as engine:
         report = engine.process(findings)
         if drain_timeout_s > 0:
             s = engine.drain(drain_timeout_s)

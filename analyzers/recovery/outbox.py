@@ -24,7 +24,7 @@ from typing import Any
 
 from ranklens.analyzers.recovery.api import DeliveryError
 
-__all__ = ["Delivery", "NewDelivery", "Outbox"]
+__all__ = ["Delivery", "DeliveryOutbox", "NewDelivery"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -75,7 +75,7 @@ class Delivery:
     created_ns: int
 
 
-class Outbox:
+class DeliveryOutbox:
     """The outbox in ``directory`` (created if needed).
 
     Args:
@@ -304,7 +304,7 @@ class Outbox:
         with self._lock:
             self._db.close()
 
-    def __enter__(self) -> Outbox:
+    def __enter__(self) -> DeliveryOutbox:
         return self
 
     def __exit__(self, *exc: object) -> None:

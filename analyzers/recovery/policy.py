@@ -55,7 +55,7 @@ __all__ = [
     "Endpoint",
     "Guards",
     "Policy",
-    "Rule",
+    "PolicyRule",
     "check_secret",
     "load_policy",
     "parse_policy",
@@ -70,7 +70,7 @@ MAX_URL_LEN = 2048
 
 
 @dataclass(frozen=True)
-class Rule:
+class PolicyRule:
     """Maps findings to a recovery level.
 
     A finding matches when its kind is in ``kinds`` (``"*"``: any), its severity is at least
@@ -166,7 +166,7 @@ class Endpoint:
 class Policy:
     """Rules, guards and endpoints. ``dry_run`` (the default) decides and records but changes nothing."""
 
-    rules: tuple[Rule, ...] = ()
+    rules: tuple[PolicyRule, ...] = ()
     guards: Guards = field(default_factory=Guards)
     endpoints: tuple[Endpoint, ...] = ()
     dry_run: bool = True
@@ -174,7 +174,7 @@ class Policy:
     max_payload_bytes: int = 65536
     source: str = "<policy>"
 
-    def match(self, f: Finding) -> Rule | None:
+    def match(self, f: Finding) -> PolicyRule | None:
         """The first rule that matches ``f``, or None."""
         for r in self.rules:
             if not r.explain_mismatch(f):
@@ -321,7 +321,7 @@ def parse_policy(
     )
 
 
-def _rule(r: _Reader, d: Any, i: int) -> Rule:
+def _rule(r: _Reader, d: Any, i: int) -> PolicyRule:
     where = f"rule[{i}]"
     r.table(d, where)
     r.keys(
@@ -345,7 +345,7 @@ def _rule(r: _Reader, d: Any, i: int) -> Rule:
         raise PolicyError(r.source, f"{where}.level", f"missing; one of {_choices()} or {RECOMMENDED!r}")
     lv_raw = r.string(d, where, "level", "")
     level = None if lv_raw == RECOMMENDED else r.level(lv_raw, f"{where}.level", allow_recommended=True)
-    return Rule(
+    return PolicyRule(
         name=name,
         level=level,
         kinds=r.strings(d, where, "kinds", ("*",)),

@@ -17,7 +17,8 @@ problem lasts, so a series does not churn between analyses). Metrics:
   kind and severity, open findings): the analyzer's health
 
 :class:`RecoveryMetrics` counts decisions and delivery outcomes and shows the outbox backlog.
-The shipped alert rules (``deploy/prometheus/ranklens-rules.yml``) use these names.
+The shipped alert rules (``deploy/prometheus/ranklens-rules.yml``) use these names. Serve a
+registry with :func:`ranklens._metrics_http.serve_metrics` (re-exported by the package).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ranklens.analyzers.findings import Finding
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
-__all__ = ["FINDING_LABELS", "FindingsExporter", "MetricsServer", "RecoveryMetrics", "serve_metrics"]
+__all__ = ["FINDING_LABELS", "FindingsExporter", "RecoveryMetrics"]
 
 FINDING_LABELS = ("job_id", "attempt", "kind", "severity", "finding_id", "rank", "node")
 
@@ -179,28 +180,3 @@ class RecoveryMetrics:
     def outbox(self, pending: int, audit_queued: int) -> None:
         self._pending.set(pending)
         self._audit.set(audit_queued)
-
-
-class MetricsServer:
-    """A running ``/metrics`` endpoint (see :func:`serve_metrics`)."""
-
-    def __init__(self, server: Any, port: int) -> None:
-        self._server = server
-        self.port = port
-
-    def stop(self) -> None:
-        """Stop serving and close the listening socket."""
-        self._server.shutdown()
-        self._server.server_close()
-
-
-def serve_metrics(registry: CollectorRegistry, *, port: int = 0, addr: str = "127.0.0.1") -> MetricsServer:
-    """Serve ``registry`` on http://addr:port/metrics in a daemon thread (port 0: a free port).
-
-    Returns:
-        the server; ``.port`` is the port it listens on, ``.stop()`` stops it.
-    """
-    from prometheus_client import start_http_server
-
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
-    return MetricsServer(server, int(server.server_port))

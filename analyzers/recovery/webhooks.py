@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from ranklens.analyzers.recovery.audit import action_row
-from ranklens.analyzers.recovery.outbox import Delivery, Outbox
+from ranklens.analyzers.recovery.outbox import Delivery, DeliveryOutbox
 from ranklens.analyzers.recovery.policy import Endpoint
 from ranklens.analyzers.recovery.signing import signature_headers
 
@@ -160,7 +160,7 @@ class WebhookDispatcher:
 
     def __init__(
         self,
-        outbox: Outbox,
+        outbox: DeliveryOutbox,
         endpoints: Sequence[Endpoint],
         *,
         transport: Transport | None = None,
