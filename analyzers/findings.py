@@ -14,6 +14,7 @@ from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
 __all__ = [
+    "SUSPECTS_KEY",
     "Finding",
     "Severity",
     "Suspect",
@@ -36,6 +37,32 @@ class Suspect:
     node: str = ""
     gpu: str = ""
     link: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"rank": r}`` plus ``node``, ``gpu`` and ``link`` (a list) when known: the stored form."""
+        d: dict[str, Any] = {"rank": self.rank}
+        if self.node:
+            d["node"] = self.node
+        if self.gpu:
+            d["gpu"] = self.gpu
+        if self.link:
+            d["link"] = list(self.link)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Suspect:
+        return cls(
+            rank=int(d["rank"]),
+            node=str(d.get("node") or ""),
+            gpu=str(d.get("gpu") or ""),
+            link=tuple(str(x) for x in d.get("link") or ()),
+        )
+
+
+# The key of ``findings.evidence`` (JSON) that holds the exact suspects, one object per suspect, so
+# a row reads back as the Finding that wrote it; the ``suspect_*`` array columns are for SQL
+# (``has(suspect_hosts, 'node3')``) and hold sets, which cannot say which node or link was whose.
+SUSPECTS_KEY = "suspects"
 
 
 def finding_id(job_id: str, attempt: int, kind: str, key: str) -> str:
@@ -79,6 +106,15 @@ class Finding:
         return d
 
     def to_row(self) -> dict[str, Any]:
+        """The ``findings`` row (one version); :func:`finding_from_row` reads it back unchanged.
+
+        Raises:
+            ValueError: ``evidence`` uses the reserved key ``"suspects"``.
+        """
+        if SUSPECTS_KEY in self.evidence:
+            raise ValueError(
+                f"finding {self.id}: evidence key {SUSPECTS_KEY!r} is reserved for the stored suspects; rename it"
+            )
         return {
             "id": self.id,
             "job_id": self.job_id,
@@ -98,7 +134,7 @@ class Finding:
             "impact_s": float(self.impact_s),
             "impact_gpu_s": float(self.impact_gpu_s),
             "step_time_pct": float(self.step_time_pct),
-            "evidence": json.dumps(self.evidence, default=str),
+            "evidence": json.dumps({**self.evidence, SUSPECTS_KEY: [s.to_json() for s in self.suspects]}, default=str),
             "state": self.state,
             "detector": self.detector,
             "updated_ns": self.updated_ns,
@@ -106,20 +142,23 @@ class Finding:
 
 
 def finding_from_row(row: dict[str, Any]) -> Finding:
-    """A :class:`Finding` back from a ``findings`` row (the newest version of an id). Suspects keep
-    their rank; a rank's node is known when the finding names one node per rank or one node."""
-    ranks = [int(r) for r in row.get("suspect_ranks") or []]
-    hosts = [str(h) for h in row.get("suspect_hosts") or []]
-    links = [tuple(str(x).split("<->")) for x in row.get("suspect_links") or []]
-    if len(hosts) == len(ranks):
-        nodes = hosts
-    else:
-        nodes = [hosts[0] if len(hosts) == 1 else ""] * len(ranks)
-    suspects = [Suspect(rank=r, node=n, link=links[0] if len(links) == 1 else ()) for r, n in zip(ranks, nodes)]
+    """A :class:`Finding` back from a ``findings`` row (the newest version of an id), as it was saved.
+
+    Rows saved before the evidence carried the suspects (no ``"suspects"`` key) give their ranks
+    back with a node when the row names one node per rank or a single node, and a link when it
+    names a single link."""
     try:
         evidence = json.loads(row.get("evidence") or "{}")
     except ValueError:
         evidence = {"raw": row.get("evidence")}
+    if not isinstance(evidence, dict):
+        evidence = {"raw": evidence}
+    stored = evidence.pop(SUSPECTS_KEY, None)
+    if isinstance(stored, list):
+        suspects = [Suspect.from_json(d) for d in stored]
+    else:
+        suspects = _guess_suspects(row)
+    updated = row.get("updated_ns")
     return Finding(
         id=str(row["id"]),
         job_id=str(row["job_id"]),
@@ -139,7 +178,20 @@ def finding_from_row(row: dict[str, Any]) -> Finding:
         evidence=evidence,
         state=str(row.get("state") or "open"),
         detector=str(row.get("detector") or ""),
+        updated_ns=int(updated) if updated is not None else time.time_ns(),
     )
+
+
+def _guess_suspects(row: dict[str, Any]) -> list[Suspect]:
+    """Suspects of a row written without ``evidence["suspects"]`` (older versions): from the arrays."""
+    ranks = [int(r) for r in row.get("suspect_ranks") or []]
+    hosts = [str(h) for h in row.get("suspect_hosts") or []]
+    links = [tuple(str(x).split("<->")) for x in row.get("suspect_links") or []]
+    if len(hosts) == len(ranks):
+        nodes = hosts
+    else:
+        nodes = [hosts[0] if len(hosts) == 1 else ""] * len(ranks)
+    return [Suspect(rank=r, node=n, link=links[0] if len(links) == 1 else ()) for r, n in zip(ranks, nodes)]
 
 
 def latest_columns(cols: Iterable[str]) -> str:
@@ -160,7 +212,8 @@ def load_finding(store: Store, finding_id: str) -> Finding | None:
 
     latest = latest_columns(c for c in TABLES["findings"].column_names if c not in ("id", "updated_ns", "ingest_id"))
     r = store.query(
-        f"SELECT id, {latest} FROM findings WHERE startsWith(id, '{_esc(finding_id)}') GROUP BY id ORDER BY id LIMIT 2"
+        f"SELECT id, {latest}, max(updated_ns) AS latest_updated_ns FROM findings "
+        f"WHERE startsWith(id, '{_esc(finding_id)}') GROUP BY id ORDER BY id LIMIT 2"
     ).to_pylist()
     if not r:
         return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -116,3 +118,68 @@ def test_collectives_without_completion_times_still_name_the_slow_rank(store):
     assert [s.rank for s in f.suspects] == [2]
     assert f.first_seen_step == 5
     assert f.evidence["excess_per_step_s"] == pytest.approx(0.05, abs=0.006)
+
+
+def _round_trip_findings():
+    from ranklens.analyzers.findings import Finding, Severity, Suspect
+
+    common = dict(
+        job_id="job-rt", attempt=1, first_seen_ns=1_700_000_000_000_000_000, last_seen_ns=1_700_000_060_000_000_000
+    )
+    return [
+        # ranks on different nodes, one with a GPU: a set of hosts cannot say which was whose
+        Finding(
+            finding_id("job-rt", 1, "straggler", "rank:3"), kind="straggler", severity=Severity.WARNING,
+            confidence=0.9, title="ranks 3, 5 slow", suspects=(Suspect(3, "node1", "node1:3"), Suspect(5, "node0")),
+            first_seen_step=4, last_seen_step=40, impact_s=1.5, impact_gpu_s=12.0, step_time_pct=3.25,
+            evidence={"per_step": [0.1, 0.2], "sql": "SELECT 1"}, detector="robust_z", updated_ns=17, **common,
+        ),
+        # a node, no rank
+        Finding(
+            finding_id("job-rt", 1, "straggler", "node:node0003"), kind="straggler", severity=Severity.CRITICAL,
+            confidence=0.7, title="node0003 slow", suspects=(Suspect(-1, "node0003"),), first_seen_step=0,
+            last_seen_step=9, evidence={"ranks": [4, 5]}, state="resolved", updated_ns=18, **common,
+        ),
+        # two links: each rank keeps its own link and node
+        Finding(
+            finding_id("job-rt", 1, "slow_link", "node3"), kind="slow_link", severity=Severity.INFO, confidence=0.5,
+            title="links slow",
+            suspects=(Suspect(6, "node3", "", ("node3", "network")), Suspect(1, "node1", "", ("node1", "node3"))),
+            first_seen_step=-1, last_seen_step=-1, evidence={}, updated_ns=19, **common,
+        ),
+    ]  # fmt: skip
+
+
+def test_finding_row_finding_is_identity_for_rank_node_and_link_findings():
+    from ranklens.analyzers.findings import finding_from_row
+
+    for f in _round_trip_findings():
+        row = f.to_row()
+        assert finding_from_row(row) == f
+        assert finding_from_row(json.loads(json.dumps(row))) == f  # as a JSON-Lines ingest would give it
+
+
+def test_finding_round_trips_through_the_store(store):
+    from ranklens.analyzers.findings import load_finding
+
+    fs = _round_trip_findings()
+    save_findings(store, fs)
+    assert [load_finding(store, f.id) for f in fs] == fs
+
+
+def test_finding_rows_written_before_the_stored_suspects_still_read():
+    from ranklens.analyzers.findings import Suspect, finding_from_row
+
+    old = {"id": "x", "job_id": "j", "kind": "slow_link", "suspect_ranks": [6, 7], "suspect_hosts": ["node3"]}
+    old |= {"suspect_links": ["node3<->network"], "evidence": '{"sql": "S"}'}
+    f = finding_from_row(old)
+    assert f.suspects == (Suspect(6, "node3", "", ("node3", "network")), Suspect(7, "node3", "", ("node3", "network")))
+    assert f.evidence == {"sql": "S"}
+
+
+def test_evidence_may_not_use_the_stored_suspects_key():
+    import dataclasses
+
+    f = dataclasses.replace(_round_trip_findings()[0], evidence={"suspects": [1]})
+    with pytest.raises(ValueError, match="reserved"):
+        f.to_row()
