@@ -1,4 +1,9 @@
-"""Names of environment variables and defaults, read in one place, never at import time."""
+"""Every ``RANKLENS_*`` environment variable, named once, and the helpers that read them.
+
+Components take keyword arguments first; a variable is read (through these names) when the
+component is built, never at import time: torchrun forks, and a value read at import would be
+the parent's. ``tests/test_config_env.py`` checks that no other module spells a variable's name.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +12,62 @@ import os
 from ranklens.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_SPOOL_DIR",
     "DEFAULT_STORE_DIR",
+    "ENV_ALERTS_TOKEN",
     "ENV_ATTEMPT",
+    "ENV_AUTOSTEP",
     "ENV_COLLECTOR_FAULT",
+    "ENV_COLLECTOR_PREFIX",
+    "ENV_DDP",
     "ENV_DISABLE",
+    "ENV_FR_INTERVAL_S",
+    "ENV_FR_LEDGER",
+    "ENV_FR_STUCK_S",
     "ENV_HOST",
     "ENV_JOB_ID",
+    "ENV_LOG_FORMAT",
+    "ENV_LOG_LEVEL",
+    "ENV_OUTBOX",
+    "ENV_POLICY",
+    "ENV_PROFILE_EVERY",
     "ENV_SPOOL",
     "ENV_STORE",
     "ENV_STORE_PASSWORD",
+    "ENV_WEBHOOK_SECRET",
     "env_float",
     "env_int",
     "node_name",
 ]
 
-ENV_STORE = "RANKLENS_STORE"
-ENV_STORE_PASSWORD = "RANKLENS_STORE_PASSWORD"
-ENV_SPOOL = "RANKLENS_SPOOL"
+# the store (every command, the dashboard)
+ENV_STORE = "RANKLENS_STORE"  # store URL; default ./ranklens-store (embedded)
+ENV_STORE_PASSWORD = "RANKLENS_STORE_PASSWORD"  # the server store's password, never in a URL
+
+# tracing, inside each rank
+ENV_SPOOL = "RANKLENS_SPOOL"  # spool root the ranks write and the collector ships
 ENV_JOB_ID = "RANKLENS_JOB_ID"
 ENV_ATTEMPT = "RANKLENS_ATTEMPT"
-ENV_DISABLE = "RANKLENS_DISABLE"
-ENV_HOST = "RANKLENS_HOST"
+ENV_DISABLE = "RANKLENS_DISABLE"  # 1: tracing off (also spelled in ranklens/_bootstrap/sitecustomize.py)
+ENV_HOST = "RANKLENS_HOST"  # this node's name (see node_name)
+ENV_FR_LEDGER = "RANKLENS_FR_LEDGER"  # 0: no flight-recorder ring, the wrappers' own seqs only
+ENV_FR_STUCK_S = "RANKLENS_FR_STUCK_S"  # dump the ring when a collective is stuck this long
+ENV_FR_INTERVAL_S = "RANKLENS_FR_INTERVAL_S"  # also dump it every this many seconds
+ENV_PROFILE_EVERY = "RANKLENS_PROFILE_EVERY"  # a profiler window every N steps
+ENV_DDP = "RANKLENS_DDP"  # 0: do not instrument DDP
+ENV_AUTOSTEP = "RANKLENS_AUTOSTEP"  # 0: no step inference for scripts that mark none
+
+# the collector
+ENV_COLLECTOR_PREFIX = "RANKLENS_COLLECTOR_"  # RANKLENS_COLLECTOR_<KEY>: a [collector] config key
 ENV_COLLECTOR_FAULT = "RANKLENS_COLLECTOR_FAULT"  # the collector's fault drill (collector/fault_drill.py)
+ENV_LOG_LEVEL = "RANKLENS_LOG_LEVEL"
+ENV_LOG_FORMAT = "RANKLENS_LOG_FORMAT"
+
+# recovery
+ENV_POLICY = "RANKLENS_POLICY"  # recovery policy file
+ENV_OUTBOX = "RANKLENS_OUTBOX"  # durable webhook outbox directory
+ENV_ALERTS_TOKEN = "RANKLENS_ALERTS_TOKEN"  # bearer token Alertmanager must send
+ENV_WEBHOOK_SECRET = "RANKLENS_WEBHOOK_SECRET"  # default variable holding an endpoint's signing secret
 
 DEFAULT_STORE_DIR = "ranklens-store"
 DEFAULT_SPOOL_DIR = "/tmp/ranklens-spool"
