@@ -7,24 +7,26 @@ loops, the recovery dispatcher) registers it here instead of starting a thread o
 
 - ``every(period_s, fn, name=)`` runs ``fn`` every ``period_s`` on the *tick* thread. Tick tasks
   must be short (a poll, a status read): they share one thread and keep its cadence. A task that
-  may block (disk, network) is registered with ``blocking=True``: when due it is *queued* to the
+  may block (disk, network) is registered with ``blocking=True``: when due it is *queued* to a
   *job* thread instead, so a slow disk delays only the jobs, never the 1 ms watcher (measured in
-  tests/test_worker.py). A due run whose previous run has not finished, or a tick that ran late by
+  tests/test_worker.py). Jobs run on the default lane's thread; work that must not wait behind
+  another blocking call (NVML behind a store that does not answer) names a lane of its own.
+  A due run whose previous run has not finished, or a tick that ran late by
   a whole period, is an *overrun* (counted; runs are skipped, never piled up).
-- ``submit(fn)`` queues a one-off job; it never blocks: when the queue is full the job is dropped
-  and counted.
+- ``submit(fn)`` queues a one-off job; it never blocks: when the lane's queue is full the job is
+  dropped and counted.
 - A task's or job's exception is caught, counted and logged (the first time per name), and never
   ends the thread.
 - Fork-safe: ``os.register_at_fork`` is registered once per process (at import) and holds the
   workers by weak reference; in a forked child every worker is reset to empty (no inherited
   thread, lock, task or job: the parent's work is the parent's) and starts again lazily when the
   child registers work.
-- ``close(timeout_s, final=)`` stops the tick thread, lets the job thread finish its queue and run
-  ``final`` (a last flush), and joins both within ``timeout_s``; the returned :class:`CloseReport`
-  says what did not finish.
+- ``close(timeout_s, final=)`` stops the tick thread, lets the lanes finish their queues, runs
+  ``final`` (a last flush) on the default lane when nothing else runs, and joins every thread
+  within ``timeout_s``; the returned :class:`CloseReport` says what did not finish.
 
 Ground floor: standard library only. Threads start lazily (the tick thread at the first
-``every``, the job thread at the first queued job), so a process that registers nothing runs
+``every``, a lane's thread at its first queued job), so a process that registers nothing runs
 nothing.
 """
 
@@ -43,6 +45,8 @@ from typing import Any
 __all__ = ["IDLE", "CloseReport", "Task", "Worker", "WorkerStats"]
 
 log = logging.getLogger("ranklens.worker")
+
+JOBS = "jobs"  # the default job lane (where ``close``'s final job runs)
 
 IDLE = object()
 """Returned by a periodic task's function: pause the task until :meth:`Task.wake` (a poller with
@@ -74,10 +78,25 @@ class CloseReport:
 class Task:
     """A periodic task registered with :meth:`Worker.every` (cancel it, or wake it from IDLE)."""
 
-    __slots__ = ("_wakes", "blocking", "cancelled", "fn", "name", "next_due", "paused", "period_s", "queued", "worker")
+    __slots__ = (
+        "_wakes",
+        "blocking",
+        "cancelled",
+        "fn",
+        "lane",
+        "name",
+        "next_due",
+        "paused",
+        "period_s",
+        "queued",
+        "worker",
+    )
 
-    def __init__(self, worker: Worker, fn: Callable[[], Any], period_s: float, name: str, blocking: bool) -> None:
+    def __init__(
+        self, worker: Worker, fn: Callable[[], Any], period_s: float, name: str, blocking: bool, lane: str
+    ) -> None:
         self.worker = worker
+        self.lane = lane
         self.fn = fn
         self.period_s = period_s
         self.name = name
@@ -100,11 +119,11 @@ class Task:
 
 
 class Worker:
-    """One tick thread for short periodic tasks and one job thread for a bounded queue.
+    """One tick thread for short periodic tasks and a job thread per lane for bounded queues.
 
     Args:
-        name: thread names are ``<name>-tick`` and ``<name>-jobs``.
-        max_queue: jobs held at most; beyond it ``submit`` drops and counts.
+        name: thread names are ``<name>-tick`` and ``<name>-<lane>`` (``<name>-jobs`` by default).
+        max_queue: jobs held at most per lane; beyond it ``submit`` drops and counts.
         clock: monotonic seconds (injectable for tests).
     """
 
@@ -121,16 +140,12 @@ class Worker:
         """Fresh state (also the forked child's): nothing inherited from another thread."""
         self._lock = threading.Lock()
         self._tick_cv = threading.Condition(self._lock)
-        self._job_cv = threading.Condition(self._lock)
         self._tasks: list[Task] = []
-        self._jobs: collections.deque[tuple[str, Callable[[], Any]]] = collections.deque()
+        self._lanes: dict[str, _Lane] = {}
         self._tick_thread: threading.Thread | None = None
-        self._job_thread: threading.Thread | None = None
         self._closing = False  # no new work; the tick thread ends
-        self._draining = False  # the job thread runs what is queued, then the final job, then ends
         self._final: Callable[[], Any] | None = None
         self._final_ran = False
-        self._running_job = ""  # name of the job running now ("" none)
         self._running_task = ""
         self._jobs_run = 0
         self._dropped = 0
@@ -139,21 +154,25 @@ class Worker:
         self._pid = os.getpid()
 
     # -- registering work (any thread) ---------------------------------------------------------
-    def every(self, period_s: float, fn: Callable[[], Any], *, name: str, blocking: bool = False) -> Task:
+    def every(
+        self, period_s: float, fn: Callable[[], Any], *, name: str, blocking: bool = False, lane: str = JOBS
+    ) -> Task:
         """Run ``fn`` every ``period_s`` seconds (first run one period from now).
 
         Args:
             period_s: the period (> 0).
             fn: the task; returning :data:`IDLE` pauses it until :meth:`Task.wake`.
             name: for counters, logs and the close report.
-            blocking: the task may block (I/O): run it as a queued job on the job thread.
+            blocking: the task may block (I/O): run it as a queued job on a job thread.
+            lane: the job thread (for ``blocking`` tasks): work that must not wait behind another
+                blocking call (a store that does not answer) gets a lane of its own.
 
         Raises:
             ValueError: ``period_s`` is not positive.
         """
         if not period_s > 0:
             raise ValueError(f"Worker.every period_s must be > 0 seconds, got {period_s!r}")
-        task = Task(self, fn, float(period_s), name, blocking)
+        task = Task(self, fn, float(period_s), name, blocking, lane)
         with self._lock:
             task.next_due = self.clock() + task.period_s
             self._tasks.append(task)
@@ -162,16 +181,25 @@ class Worker:
             self._tick_cv.notify()
         return task
 
-    def submit(self, fn: Callable[[], Any], *, name: str = "job") -> bool:
-        """Queue a one-off job; never blocks. Returns False when it was dropped (queue full,
-        or the worker is closing) - the drop is counted."""
+    def submit(self, fn: Callable[[], Any], *, name: str = "job", lane: str = JOBS) -> bool:
+        """Queue a one-off job on ``lane``'s thread; never blocks. Returns False when it was
+        dropped (the lane's queue full, or the worker closing) - the drop is counted."""
         with self._lock:
-            if self._closing or len(self._jobs) >= self.max_queue:
+            if self._closing:
                 self._dropped += 1
                 return False
-            self._jobs.append((name, fn))
-            self._ensure_jobs()
-            self._job_cv.notify()
+            return self._queue(lane, name, fn)
+
+    def _queue(self, lane_name: str, name: str, fn: Callable[[], Any]) -> bool:
+        lane = self._lanes.get(lane_name)
+        if lane is None:
+            lane = self._lanes[lane_name] = _Lane(self, lane_name)
+        if len(lane.jobs) >= self.max_queue:
+            self._dropped += 1
+            return False
+        lane.jobs.append((name, fn))
+        lane.ensure_thread()
+        lane.cv.notify()
         return True
 
     def stats(self) -> WorkerStats:
@@ -181,7 +209,7 @@ class Worker:
                 jobs_dropped=self._dropped,
                 task_errors=sum(self._errors.values()),
                 overruns=sum(self._overruns.values()),
-                queued=len(self._jobs),
+                queued=sum(len(lane.jobs) for lane in self._lanes.values()),
                 errors_by_name=dict(self._errors),
                 overruns_by_name=dict(self._overruns),
             )
@@ -193,11 +221,6 @@ class Worker:
         if self._tick_thread is None:
             self._tick_thread = threading.Thread(target=self._tick_loop, name=f"{self.name}-tick", daemon=True)
             self._tick_thread.start()
-
-    def _ensure_jobs(self) -> None:
-        if self._job_thread is None:
-            self._job_thread = threading.Thread(target=self._job_loop, name=f"{self.name}-jobs", daemon=True)
-            self._job_thread.start()
 
     def _wake_task(self, task: Task) -> None:
         with self._lock:
@@ -236,13 +259,8 @@ class Worker:
                 if task.blocking:
                     if task.queued:
                         self._overruns[task.name] += 1
-                    elif len(self._jobs) >= self.max_queue:
-                        self._dropped += 1
-                    else:
+                    elif self._queue(task.lane, task.name, self._task_job(task)):
                         task.queued = True
-                        self._jobs.append((task.name, self._task_job(task)))
-                        self._ensure_jobs()
-                        self._job_cv.notify()
                     continue
                 wakes = task._wakes
                 self._running_task = task.name
@@ -269,21 +287,20 @@ class Worker:
 
         return run
 
-    def _job_loop(self) -> None:
+    def _job_loop(self, lane: _Lane) -> None:
         while True:
             with self._lock:
-                while not self._jobs and not self._draining:
-                    self._job_cv.wait()
-                if not self._jobs:  # closing and drained: the final job, then stop
+                while not lane.jobs and not lane.draining:
+                    lane.cv.wait()
+                final = None
+                if lane.jobs:
+                    name, fn = lane.jobs.popleft()
+                elif lane.name == JOBS and self._final is not None:  # drained: the final job, then stop
                     final, self._final = self._final, None
-                    self._running_job = "final" if final is not None else ""
-                    if final is None:
-                        return
                     name, fn = "final", final
                 else:
-                    name, fn = self._jobs.popleft()
-                    final = None
-                    self._running_job = name
+                    return
+                lane.running = name
             try:
                 fn()
                 if final is not None:
@@ -291,15 +308,16 @@ class Worker:
             except Exception:
                 self._failed(name)
             with self._lock:
-                self._running_job = ""
+                lane.running = ""
                 self._jobs_run += 1
                 if final is not None:
                     return
 
     # -- stopping -----------------------------------------------------------------------------------
     def close(self, timeout_s: float = 5.0, final: Callable[[], Any] | None = None) -> CloseReport:
-        """Stop: no new work; the tick thread ends (after a task in progress), then the queued
-        jobs run and ``final`` (e.g. a last flush: no periodic task runs beside it), all within
+        """Stop: no new work; the tick thread ends (after a task in progress), then every lane
+        other than the default one runs what it has queued, then the default lane does and runs
+        ``final`` (e.g. a last flush: no periodic task or other lane runs beside it), all within
         ``timeout_s``. Never raises; a task or job stuck past the timeout is left running (daemon
         threads) and named in the report. Called from a worker thread itself it does not wait for
         that thread."""
@@ -312,21 +330,30 @@ class Worker:
         if tick is not None and tick is not me:
             tick.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
-            self._draining = True
             self._final = final
-            if final is not None or self._jobs:
-                self._ensure_jobs()
-            self._job_cv.notify_all()
-            jobs = self._job_thread
-        if jobs is not None and jobs is not me:
-            jobs.join(max(0.0, deadline - time.monotonic()))
+            if final is not None and JOBS not in self._lanes:
+                self._lanes[JOBS] = _Lane(self, JOBS)
+            lanes = sorted(self._lanes.values(), key=lambda lane: lane.name == JOBS)  # the default last
+        side, main = [lane for lane in lanes if lane.name != JOBS], [lane for lane in lanes if lane.name == JOBS]
+        for group in (side, main):  # the side lanes drain together, then the default one runs final
+            with self._lock:
+                for lane in group:
+                    lane.draining = True
+                    if lane.jobs or (lane.name == JOBS and final is not None):
+                        lane.ensure_thread()
+                    lane.cv.notify_all()
+                threads = [lane.thread for lane in group if lane.thread is not None and lane.thread is not me]
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             unfinished = []
             if self._running_task and self._tick_thread is not None and self._tick_thread.is_alive():
                 unfinished.append(self._running_task)
-            if self._running_job and self._job_thread is not None and self._job_thread.is_alive():
-                unfinished.append(self._running_job)
-            unfinished += [name for name, _ in self._jobs]
+            for lane in lanes:
+                if lane.running and lane.thread is not None and lane.thread.is_alive():
+                    unfinished.append(lane.running)
+            for lane in lanes:
+                unfinished += [name for name, _ in lane.jobs]
             if self._final is not None:
                 unfinished.append("final")
             report = CloseReport(not unfinished, tuple(unfinished), self._final_ran)
@@ -340,6 +367,26 @@ class Worker:
 
     def _after_fork_in_child(self) -> None:
         self._reset()
+
+
+class _Lane:
+    """One job thread and its bounded queue (state guarded by the worker's lock)."""
+
+    def __init__(self, worker: Worker, name: str) -> None:
+        self.worker = worker
+        self.name = name
+        self.cv = threading.Condition(worker._lock)
+        self.jobs: collections.deque[tuple[str, Callable[[], Any]]] = collections.deque()
+        self.thread: threading.Thread | None = None
+        self.draining = False  # closing: run what is queued, then end
+        self.running = ""  # the job running now ("" none)
+
+    def ensure_thread(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(
+                target=self.worker._job_loop, args=(self,), name=f"{self.worker.name}-{self.name}", daemon=True
+            )
+            self.thread.start()
 
 
 _ALL: weakref.WeakSet[Worker] = weakref.WeakSet()

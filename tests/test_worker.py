@@ -251,3 +251,21 @@ def test_the_final_job_never_runs_beside_a_periodic_task():
     report = w.close(WAIT_S, final=final)
     assert report.clean and report.final_ran
     assert state["overlap"] == 0
+
+
+def test_a_stuck_lane_does_not_hold_up_another():
+    """A store that does not answer (a stuck job on one lane) must not stop a job on another."""
+    w = Worker("lanes")
+    stuck, release, other = threading.Event(), threading.Event(), threading.Event()
+    w.submit(lambda: (stuck.set(), release.wait(60)), name="ship", lane="ship")
+    assert stuck.wait(WAIT_S)
+    w.submit(other.set, name="sample", lane="gpu")
+    ticked = threading.Event()
+    w.every(0.001, lambda: None, name="sample-gpu", blocking=True, lane="gpu")
+    w.every(0.001, ticked.set, name="budget")
+    try:
+        assert other.wait(WAIT_S) and ticked.wait(WAIT_S)
+        report = w.close(0.3, final=lambda: None)
+        assert "ship" in report.unfinished and "sample-gpu" not in report.unfinished
+    finally:
+        release.set()
