@@ -20,14 +20,14 @@ from pathlib import Path
 
 from ranklens.collector import Shipper
 from ranklens.collector.agent import Agent, load_config
+from ranklens.formats.spool import SpoolWriter
 from ranklens.store import open_store
-from ranklens.tracing.spool import SpoolWriter
 
 
 def make_spool(root: Path, rows: int, ranks: int = 8, per_segment: int = 5000) -> None:
     t0 = 1_790_000_000_000_000_000
     for r in range(ranks):
-        w = SpoolWriter(root, "bench", 0, r)
+        w = SpoolWriter.for_rank(root, "bench", 0, r)
         for start in range(0, rows // ranks, per_segment):
             w.write(
                 "collectives",

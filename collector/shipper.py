@@ -1,4 +1,4 @@
-"""Ships rank spools (tracing/spool.py) into the store: every row exactly once.
+"""Ships rank spools (ranklens/formats/spool.py) into the store: every row exactly once.
 
 **Nothing lost.** A segment is deleted only after the store acknowledged its rows. A store that is
 down leaves the segments in place for the next pass. A segment that cannot be read (not JSON, not

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from ranklens.errors import IngestError
+from ranklens.formats.spool import SPOOL_FORMAT, SPOOL_VERSION  # one format: spool segments are ingestable
 from ranklens.records import arrow_schema, check_value, to_arrow
 from ranklens.schema import TABLES
 from ranklens.store.api import Store
 from ranklens.store.once import stamp, stored_ingest_rows
-from ranklens.tracing.spool import SPOOL_FORMAT, SPOOL_VERSION  # one format: spool segments are ingestable
 
 __all__ = ["FORMATS", "file_ingest_id", "ingest_paths", "read_file", "read_jsonl", "read_parquet"]
 

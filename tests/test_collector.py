@@ -6,13 +6,13 @@ import shutil
 import time
 
 from ranklens.collector import Shipper
-from ranklens.tracing.spool import SpoolWriter
+from ranklens.formats.spool import SpoolWriter
 
 ROW = {"job_id": "j", "attempt": 0, "rank": 0, "pg": "0", "seq": 1, "op": "all_reduce", "enter_ns": 5}
 
 
 def test_ships_and_deletes_acknowledged_segments(tmp_path, store):
-    w = SpoolWriter(tmp_path / "spool", "j", 0, 0)
+    w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
     w.write("collectives", [ROW, dict(ROW, seq=2)])
     w.write("steps", [{"job_id": "j", "rank": 0, "step": 0, "start_ns": 1, "end_ns": 2}])
     sh = Shipper(tmp_path / "spool", store)
@@ -24,7 +24,7 @@ def test_ships_and_deletes_acknowledged_segments(tmp_path, store):
 
 
 def test_corrupt_segment_is_quarantined_not_lost(tmp_path, embedded_store):
-    w = SpoolWriter(tmp_path / "spool", "j", 0, 0)
+    w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
     good = w.write("collectives", [ROW])
     bad = w.write("collectives", [ROW])
     bad.write_text(bad.read_text()[:-8])  # truncated mid-record
@@ -41,7 +41,7 @@ def test_corrupt_segment_is_quarantined_not_lost(tmp_path, embedded_store):
 
 
 def test_store_failure_keeps_segments_for_retry(tmp_path, embedded_store):
-    w = SpoolWriter(tmp_path / "spool", "j", 0, 0)
+    w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
     seg = w.write("collectives", [ROW])
     parts = embedded_store.root / "parts" / "collectives"
     shutil.move(parts, tmp_path / "moved")  # the store's disk "fails"
@@ -84,7 +84,7 @@ class _FailAfterWrite:
 
 
 def test_lost_acknowledgement_is_not_shipped_twice(tmp_path, store):
-    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(5))
+    SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(5))
     flaky = _FailAfterWrite(store)
     sh = Shipper(tmp_path / "spool", flaky)
     assert not sh.ship_once().ok and len(sh.pending()) == 1 and sh.in_doubt
@@ -98,12 +98,12 @@ def test_lost_acknowledgement_is_not_shipped_twice(tmp_path, store):
 
 def test_restart_after_a_crash_between_store_and_delete(tmp_path, store):
     spool = tmp_path / "spool"
-    SpoolWriter(spool, "j", 0, 0).write("collectives", _rows(3))
+    SpoolWriter.for_rank(spool, "j", 0, 0).write("collectives", _rows(3))
     flaky = _FailAfterWrite(store)
     Shipper(spool, flaky).ship_once()  # rows stored, segment kept, journal names it
     journal = spool / "_collector" / "state"
     assert list(journal.rglob("shipping.json"))
-    SpoolWriter(spool, "j", 0, 1).write("collectives", _rows(2, start=10))
+    SpoolWriter.for_rank(spool, "j", 0, 1).write("collectives", _rows(2, start=10))
     sh = Shipper(spool, store)  # "restarted": a new object reads the journal
     assert sh.in_doubt
     r = sh.ship_once()
@@ -117,7 +117,7 @@ def test_partly_stored_segment_is_discarded_and_sent_again(tmp_path, store):
     from ranklens.ingest import read_jsonl
 
     spool = tmp_path / "spool"
-    seg = SpoolWriter(spool, "j", 0, 0).write("collectives", _rows(6))
+    seg = SpoolWriter.for_rank(spool, "j", 0, 0).write("collectives", _rows(6))
     rel = seg.relative_to(spool).as_posix()
     _, data = read_jsonl(seg)
     store.write("collectives", _stamp(data.slice(0, 4), ingest_id_of(rel, seg.read_bytes())))  # a half block
@@ -129,7 +129,7 @@ def test_partly_stored_segment_is_discarded_and_sent_again(tmp_path, store):
 
 
 def test_segments_not_in_doubt_are_sent_without_asking(tmp_path, embedded_store):
-    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(2))
+    SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(2))
     queries = []
     real = embedded_store.query
     embedded_store.query = lambda sql: queries.append(sql) or real(sql)
@@ -144,7 +144,7 @@ def test_big_passes_are_split_at_segment_boundaries(tmp_path, embedded_store, mo
     import ranklens.collector.shipper as shipper
 
     monkeypatch.setattr(shipper, "MAX_BLOCK_ROWS", 5)
-    w = SpoolWriter(tmp_path / "spool", "j", 0, 0)
+    w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
     for k in range(4):
         w.write("collectives", _rows(3, start=10 * k))
     calls = []
@@ -159,7 +159,7 @@ def test_big_passes_are_split_at_segment_boundaries(tmp_path, embedded_store, mo
 
 def test_unreadable_journal_puts_every_segment_in_doubt(tmp_path, embedded_store):
     spool = tmp_path / "spool"
-    SpoolWriter(spool, "j", 0, 0).write("collectives", _rows(2))
+    SpoolWriter.for_rank(spool, "j", 0, 0).write("collectives", _rows(2))
     sh = Shipper(spool, embedded_store)
     sh.journal_path.parent.mkdir(parents=True)
     sh.journal_path.write_text("{not json")
@@ -173,7 +173,7 @@ def test_disk_budget_drops_oldest_low_value_data_first_and_counts_it(tmp_path, e
     from ranklens.errors import StoreUnavailable
 
     spool = tmp_path / "spool"
-    w = SpoolWriter(spool, "j", 0, 0)
+    w = SpoolWriter.for_rank(spool, "j", 0, 0)
     hb = {"job_id": "j", "rank": 0, "ts_ns": 1}
     old_hb = [w.write("heartbeats", [dict(hb, ts_ns=i) for i in range(50)]) for _ in range(3)]
     coll = [w.write("collectives", _rows(50, start=100 * k)) for k in range(3)]
@@ -240,7 +240,7 @@ def test_two_shippers_on_one_spool_never_send_a_segment_twice(tmp_path, embedded
         def query(self, sql):
             return embedded_store.query(sql)
 
-    w = SpoolWriter(tmp_path / "spool", "j", 0, 0)
+    w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
     for k in range(10):
         w.write("collectives", _rows(5, start=10 * k))
     a, b = Shipper(tmp_path / "spool", Slow(), host="a"), Shipper(tmp_path / "spool", Slow(), host="b")
@@ -263,7 +263,7 @@ def test_the_journal_is_read_again_at_every_pass(tmp_path, store):
     """A shipper started first does not miss what another one sent and could not delete."""
     spool = tmp_path / "spool"
     first = Shipper(spool, store, host="a")  # reads the (empty) journal now
-    SpoolWriter(spool, "j", 0, 0).write("collectives", _rows(4))
+    SpoolWriter.for_rank(spool, "j", 0, 0).write("collectives", _rows(4))
     assert not Shipper(spool, _FailAfterWrite(store), host="b").ship_once().ok  # stored, not deleted
     r = first.ship_once()
     assert r.ok and r.already_stored == 1 and r.rows == {}
@@ -284,7 +284,7 @@ def test_a_segment_the_store_cannot_take_is_quarantined_and_the_rest_ships(tmp_p
         def query(self, sql):
             return store.query(sql)
 
-    w = SpoolWriter(tmp_path / "spool", "j", 0, 0)
+    w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
     for k in range(3):
         w.write("collectives", _rows(3, start=10 * k))
     w.write("collectives", _rows(1, start=666))
@@ -299,7 +299,7 @@ def test_a_segment_the_store_cannot_take_is_quarantined_and_the_rest_ships(tmp_p
 def test_free_space_floor_never_evicts_while_the_store_takes_the_rows(tmp_path, embedded_store):
     from ranklens.collector.shipper import SpoolBudget
 
-    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(5))
+    SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(5))
     budget = SpoolBudget(min_free_bytes=1024**3, check_interval_s=0)
     r = Shipper(tmp_path / "spool", embedded_store, budget=budget, free_bytes=lambda _p: 0).ship_once()
     assert r.ok and r.evicted == {} and r.rows == {"collectives": 5}

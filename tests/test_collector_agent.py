@@ -19,7 +19,7 @@ from ranklens.collector.agent import Agent, AgentConfig, load_config
 from ranklens.collector.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeNvml, fake_nvml
 from ranklens.collector.tailer import LogSource
 from ranklens.errors import ConfigError, StoreError
-from ranklens.tracing.spool import SpoolWriter
+from ranklens.formats.spool import SpoolWriter
 from tests._sync import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def _write_log(tmp_path: Path, name: str, *lines: str) -> Path:
 
 
 def test_agent_end_to_end_with_store_nvml_and_metrics(tmp_path, embedded_store):
-    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW, dict(ROW, seq=2)])
+    SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW, dict(ROW, seq=2)])
     _write_log(tmp_path, "rank-3.log", "step 1 loss 2.0", "step 2 loss 1.9", ERR, "step 3 loss 1.8")
     fake = fake_nvml(2)
     agent = Agent(_config(tmp_path), store=embedded_store, nvml=fake)
@@ -197,7 +197,7 @@ class HangingStore:
 
 
 def test_stop_is_bounded_even_when_the_store_hangs(tmp_path):
-    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW])
+    SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW])
     store = HangingStore()
     agent = Agent(_config(tmp_path, nvml=False, logs=()), store=store)
     agent.start()
@@ -362,7 +362,7 @@ def test_shipping_loop_spans_when_asked(tmp_path, embedded_store):
     exporter = InMemorySpanExporter()
     provider = otel.TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW, dict(ROW, seq=2)])
+    SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW, dict(ROW, seq=2)])
     agent = Agent(
         _config(tmp_path, nvml=False, logs=(), metrics_port=None), store=embedded_store, otel_provider=provider
     )
@@ -443,7 +443,7 @@ def test_shipping_backs_off_while_the_store_is_down_and_logs_once(tmp_path, capl
         def close(self):
             pass
 
-    SpoolWriter(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW])
+    SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW])
     agent = Agent(_config(tmp_path, nvml=False, logs=(), metrics_port=None, ship_interval_s=0.05), store=Down())
     with caplog.at_level("WARNING", logger="ranklens.collector"):
         agent.start()

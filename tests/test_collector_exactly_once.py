@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from ranklens.tracing.spool import SpoolWriter
+from ranklens.formats.spool import SpoolWriter
 from tests._sync import wait_until
 from tests.conftest import REQUIRE_SERVER
 
@@ -108,7 +108,7 @@ class Ranks:
         self.spool = root / "spool"
         self.logs = root / "logs"
         self.logs.mkdir(parents=True)
-        self.writers = [SpoolWriter(self.spool, "job-eo", 0, r) for r in range(ranks)]
+        self.writers = [SpoolWriter.for_rank(self.spool, "job-eo", 0, r) for r in range(ranks)]
         self.k = rows_per_segment
         self.seq = 0
         self.lines = 0
@@ -355,7 +355,7 @@ def test_partly_stored_segment_on_a_distributed_table(tmp_path, server_db_url):
     )
     spool = tmp_path / "spool"
     rows = [{"job_id": "d", "rank": 0, "pg": "0", "seq": i, "op": "all_reduce", "enter_ns": 1} for i in range(6)]
-    seg = SpoolWriter(spool, "d", 0, 0).write("collectives", rows)
+    seg = SpoolWriter.for_rank(spool, "d", 0, 0).write("collectives", rows)
     rel = seg.relative_to(spool).as_posix()
     _, data = read_jsonl(seg)
     store.write("collectives", _stamp(data.slice(0, 4), ingest_id_of(rel, seg.read_bytes())))  # half a batch

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from ranklens.tracing.spool import SpoolWriter, header_line
+from ranklens.formats.spool import SpoolWriter, header_line
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(240)
@@ -78,7 +78,7 @@ def _raw_segment(path: Path, table: str, lines: list[bytes]) -> Path:
 
 def _steps(spool: Path, job: str, ranks: int = 3, steps: int = 10) -> int:
     for r in range(ranks):
-        SpoolWriter(spool, job, 0, r).write(
+        SpoolWriter.for_rank(spool, job, 0, r).write(
             "steps", [{"job_id": job, "rank": r, "step": s, "start_ns": 1 + s, "end_ns": 2 + s} for s in range(steps)]
         )
     return ranks * steps
@@ -169,7 +169,7 @@ def _small_filesystem(path: Path, size: str = "48m"):
 
 
 def _mixed_spool(spool: Path, job: str, k: int = 4) -> dict[str, int]:
-    w = SpoolWriter(spool, job, 0, 0)
+    w = SpoolWriter.for_rank(spool, job, 0, 0)
     for i in range(k):
         w.write(
             "collectives",
@@ -287,7 +287,7 @@ def _frozen(p: subprocess.Popen, spool: Path):
 
 
 def _collectives(spool: Path, job: str, segments: int = 5, k: int = 10) -> int:
-    w = SpoolWriter(spool, job, 0, 0)
+    w = SpoolWriter.for_rank(spool, job, 0, 0)
     for i in range(segments):
         w.write(
             "collectives",
@@ -331,8 +331,8 @@ def test_ranklens_run_next_to_a_running_collector_sends_nothing_twice(tmp_path, 
     p = _collector(store_url, spool, log)
     job = (
         "import sys\n"
-        "from ranklens.tracing.spool import SpoolWriter\n"
-        "w = SpoolWriter(sys.argv[1], 'rundup', 0, 0)\n"
+        "from ranklens.formats.spool import SpoolWriter\n"
+        "w = SpoolWriter.for_rank(sys.argv[1], 'rundup', 0, 0)\n"
         "for i in range(5):\n"
         "    w.write('collectives', [{'job_id': 'rundup', 'rank': 0, 'pg': '0', 'seq': 10 * i + j, 'op': 'x',"
         " 'enter_ns': 1} for j in range(10)])\n"
@@ -413,7 +413,7 @@ class _Writer:
     (``arrivals``, ``samples``), so the test bounds the spool by what really arrived."""
 
     def __init__(self, spool: Path, rate: float) -> None:
-        self.w = SpoolWriter(spool, "budget", 0, 0)
+        self.w = SpoolWriter.for_rank(spool, "budget", 0, 0)
         self.spool, self.rate = spool, rate
         self.rows = {"gpu_samples": 0, "steps": 0}
         self.arrivals: list[tuple[float, int]] = []  # (wall time after the write, bytes written so far)

@@ -55,7 +55,7 @@ def _agree_on_job_id(dist: Any) -> str:
     for var in (ENV_JOB_ID, "TORCHELASTIC_RUN_ID"):
         v = os.environ.get(var)
         if v and v != "none":
-            from ranklens.tracing.spool import clean_text
+            from ranklens.formats.spool import clean_text
 
             return clean_text(v)  # non-UTF-8 bytes in the variable: U+FFFD, never a lone surrogate
     if dist is not None and dist.is_initialized():

@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ranklens.config import node_name
+from ranklens.formats.process import pid_namespace
+from ranklens.formats.spool import SpoolWriter
 from ranklens.tracing._failures import FailureLog
-from ranklens.tracing.spool import SpoolWriter
 
 __all__ = ["Tracer"]
 
@@ -25,15 +26,6 @@ log = logging.getLogger("ranklens.tracing")
 
 FR_SIGNAL_KEY = "ranklens/fr_dump_signal"
 TABLES = ("collectives", "steps", "phases", "process_groups", "ranks", "heartbeats", "drops")
-
-
-def pid_namespace() -> int:
-    """The inode of this process's pid namespace (0 unknown): tells the node's collector whether
-    the ``pid`` in our heartbeats is one it can check."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
 
 
 class Tracer:
@@ -73,7 +65,7 @@ class Tracer:
         self.clock = clock
         self.enabled = True
         self._ident = {"job_id": job_id, "attempt": attempt, "rank": rank}
-        self._writer = SpoolWriter(spool_dir, job_id, attempt, rank)
+        self._writer = SpoolWriter.for_rank(spool_dir, job_id, attempt, rank)
         # a failure that repeats every flush: one warning, then a count at most once a minute
         # (issue 22, defect 8: a traceback per flush buried the job's own stderr)
         self._spool_failures = FailureLog(log, f"ranklens: rank {rank} cannot write the spool under {spool_dir}")
