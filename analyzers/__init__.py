@@ -5,7 +5,13 @@ from __future__ import annotations
 from ranklens._guard import require_installed_name
 from ranklens.analyzers.blame import BlameMatrix, compute_blame, latest_job
 from ranklens.analyzers.correlate import correlate_findings
-from ranklens.analyzers.detectors import Detection, PeerComputeDetector, PersistentBlameDetector, StragglerDetector
+from ranklens.analyzers.detectors import (
+    Detection,
+    PeerComputeDetector,
+    PeerDetector,
+    PersistentBlameDetector,
+    StragglerDetector,
+)
 from ranklens.analyzers.findings import Finding, Severity, Suspect, latest_findings, save_findings
 from ranklens.analyzers.links import find_slow_links
 from ranklens.analyzers.straggler import find_stragglers
@@ -19,6 +25,7 @@ __all__ = [
     "Finding",
     "GroupTestingDetector",
     "PeerComputeDetector",
+    "PeerDetector",
     "PersistentBlameDetector",
     "Severity",
     "StragglerDetector",

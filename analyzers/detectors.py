@@ -8,13 +8,23 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import numpy as np
 
 from ranklens.analyzers.blame import BlameMatrix
 
-__all__ = ["Detection", "PeerComputeDetector", "PeerDetection", "PersistentBlameDetector", "StragglerDetector"]
+if TYPE_CHECKING:
+    from ranklens.analyzers.compute import ComputeMatrix
+
+__all__ = [
+    "Detection",
+    "PeerComputeDetector",
+    "PeerDetection",
+    "PeerDetector",
+    "PersistentBlameDetector",
+    "StragglerDetector",
+]
 
 
 @dataclass(frozen=True)
@@ -28,9 +38,22 @@ class Detection:
 
 
 class StragglerDetector(Protocol):
+    """Decides over the blame matrix (whom the others waited for); ``metric`` says which matrix a
+    detector reads, so :func:`~ranklens.analyzers.straggler.find_stragglers` computes that one."""
+
     name: str
+    metric: ClassVar[Literal["blame"]]
 
     def detect(self, blame: BlameMatrix) -> list[Detection]: ...
+
+
+class PeerDetector(Protocol):
+    """Decides over the compute matrix (each rank's compute time against its peers')."""
+
+    name: str
+    metric: ClassVar[Literal["compute"]]
+
+    def detect(self, cm: ComputeMatrix) -> list[PeerDetection]: ...
 
 
 @dataclass(frozen=True)
@@ -54,6 +77,7 @@ class PersistentBlameDetector:
     min_hot_steps: int = 5
     dominance: float = 0.5
     name: str = "persistent_blame"
+    metric: ClassVar[Literal["blame"]] = "blame"
 
     def __post_init__(self) -> None:
         if not 0 < self.persistence < 1:
@@ -245,6 +269,7 @@ class PeerComputeDetector:
     pooled_z: float = 1.0
     shift_z: float = 4.0
     name: str = "peer_compute"
+    metric: ClassVar[Literal["compute"]] = "compute"
 
     def __post_init__(self) -> None:
         if not 0 < self.persistence < 1:
@@ -252,7 +277,7 @@ class PeerComputeDetector:
         if self.min_excess_ratio < 0 or self.min_excess_s < 0 or self.z < 0 or self.min_hot_steps < 1:
             raise ValueError("thresholds must be >= 0 and min_hot_steps >= 1")
 
-    def detect(self, cm: Any) -> list[PeerDetection]:
+    def detect(self, cm: ComputeMatrix) -> list[PeerDetection]:
         if cm.empty:
             return []
         out: list[PeerDetection] = []

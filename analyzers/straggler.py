@@ -8,7 +8,7 @@ waited for it) as evidence. Without step records it falls back to blame alone.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import cast
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from ranklens.analyzers.detectors import (
     Detection,
     PeerComputeDetector,
     PeerDetection,
+    PeerDetector,
     PersistentBlameDetector,
     StragglerDetector,
 )
@@ -115,7 +116,7 @@ def to_peer_finding(
     cm: ComputeMatrix,
     blame: BlameMatrix | None,
     d: PeerDetection,
-    detector: PeerComputeDetector,
+    detector: PeerDetector,
     phases: dict[str, float],
 ) -> Finding:
     i = int(np.searchsorted(cm.ranks, d.rank))
@@ -330,17 +331,30 @@ def _rank_list(ranks: list[int]) -> str:
 
 
 def find_stragglers(
-    store: Store, job_id: str, attempt: int = 0, *, detector: Any = None, window_steps: int | None = None
+    store: Store,
+    job_id: str,
+    attempt: int = 0,
+    *,
+    detector: StragglerDetector | PeerDetector | None = None,
+    window_steps: int | None = None,
 ) -> list[Finding]:
     """Straggler findings of one job attempt, most costly first.
 
     By default ranks are compared with their peers on compute time (:class:`PeerComputeDetector`),
     which needs the ``steps`` table; without steps (e.g. a script traced with no step markers) the
-    blame detector decides. Pass either detector to choose.
+    blame detector decides. Pass a detector to choose: its ``metric`` says which matrix it decides
+    over (``"blame"``: a :class:`StragglerDetector`; ``"compute"``: a :class:`PeerDetector`).
     """
-    if isinstance(detector, PersistentBlameDetector) or (detector is not None and not hasattr(detector, "z")):
+    metric = getattr(detector, "metric", None) if detector is not None else "compute"
+    if metric not in ("blame", "compute"):
+        raise ValueError(
+            f"detector {detector!r} has metric={metric!r}; allowed: 'blame' (a StragglerDetector, decides over the "
+            "blame matrix) or 'compute' (a PeerDetector, over the compute matrix)"
+        )
+    if metric == "blame":
+        blame_det = cast(StragglerDetector, detector)
         blame = compute_blame(store, job_id, attempt)
-        findings = [to_finding(blame, d, detector) for d in detector.detect(blame)]
+        findings = [to_finding(blame, d, blame_det) for d in blame_det.detect(blame)]
         return merge_node_findings(findings, blame.hosts)
     cm = compute_matrix(store, job_id, attempt, window_steps=window_steps)
     if cm.empty:
@@ -348,7 +362,7 @@ def find_stragglers(
         blame = compute_blame(store, job_id, attempt)
         findings = [to_finding(blame, d, blame_detector) for d in blame_detector.detect(blame)]
         return merge_node_findings(findings, blame.hosts)
-    peer_detector = detector or PeerComputeDetector()
+    peer_detector = cast(PeerDetector, detector) if detector is not None else PeerComputeDetector()
     detections = peer_detector.detect(cm)
     blame = compute_blame(store, job_id, attempt, only_ranks=[d.rank for d in detections]) if detections else None
     findings = [

@@ -183,3 +183,39 @@ def test_evidence_may_not_use_the_stored_suspects_key():
     f = dataclasses.replace(_round_trip_findings()[0], evidence={"suspects": [1]})
     with pytest.raises(ValueError, match="reserved"):
         f.to_row()
+
+
+def test_find_stragglers_reads_the_matrix_the_detector_names(embedded_store):
+    """A detector says which matrix it decides over (``metric``), not which attributes it happens to
+    have: a peer detector without a ``z`` threshold still gets the compute matrix."""
+    from ranklens.analyzers.blame import BlameMatrix
+    from ranklens.analyzers.compute import ComputeMatrix
+
+    _load(embedded_store, synthetic_job(slow_rank=2, slow_from=5, extra_s=0.05, steps=20))
+    seen: list[object] = []
+
+    class MyPeerDetector:
+        name = "mine"
+        metric = "compute"
+
+        def detect(self, cm):
+            seen.append(cm)
+            return []
+
+    class MyBlameDetector(MyPeerDetector):
+        metric = "blame"
+
+    assert find_stragglers(embedded_store, "job-synth", detector=MyPeerDetector()) == []
+    assert find_stragglers(embedded_store, "job-synth", detector=MyBlameDetector()) == []
+    assert [type(m) for m in seen] == [ComputeMatrix, BlameMatrix]
+    (f,) = find_stragglers(embedded_store, "job-synth", detector=PersistentBlameDetector())
+    assert f.detector == "persistent_blame" and [s.rank for s in f.suspects] == [2]
+
+    class NoMetric:
+        name = "x"
+
+        def detect(self, m):
+            return []
+
+    with pytest.raises(ValueError, match="metric=None; allowed: 'blame'"):
+        find_stragglers(embedded_store, "job-synth", detector=NoMetric())
