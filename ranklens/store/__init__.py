@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from ranklens.config import DEFAULT_STORE_DIR, ENV_STORE, ENV_STORE_PASSWORD
 from ranklens.errors import ConfigError
-from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, Store, SupportsCompact, SupportsDiscardIngest
+from ranklens.store.api import (
+    DEFAULT_BATCH_ROWS,
+    QueryResult,
+    Store,
+    SupportsCompact,
+    SupportsDiscardIngest,
+    check_batch_rows,
+)
 
 if TYPE_CHECKING:
     from ranklens.store.server import ServerStore
@@ -112,7 +119,11 @@ class LazyStore:
         return self._get().query(sql)
 
     def iter_query(self, sql: str, *, batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[QueryResult]:
-        return self._get().iter_query(sql, batch_rows=batch_rows)
+        check_batch_rows(batch_rows)
+        return self._iter_query(sql, batch_rows)
+
+    def _iter_query(self, sql: str, batch_rows: int) -> Iterator[QueryResult]:
+        yield from self._get().iter_query(sql, batch_rows=batch_rows)  # connects on the first batch
 
     def discard_ingest(self, table: str, ingest_ids: Iterable[int]) -> int:
         return self._get().discard_ingest(table, ingest_ids)

@@ -41,7 +41,7 @@ from typing import Any
 from ranklens.errors import SchemaVersionError, StoreError, StoreUnavailable
 from ranklens.records import arrow_schema, empty_arrow, repair_utf8, to_arrow
 from ranklens.schema import SCHEMA_VERSION, TABLES, table
-from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, check_batch_rows, rebatch
+from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, _code_tokens, check_batch_rows, rebatch
 from ranklens.store.api import sql_string as _sql_quote
 
 __all__ = ["EmbeddedStore"]
@@ -80,6 +80,15 @@ def _drain(session: Any) -> None:
             return
         except Exception:
             continue
+
+
+def _one_statement(sql: str) -> str:
+    """``sql`` without a trailing ``;`` (and the comments after it): what ``INTO OUTFILE`` can follow."""
+    tokens = _code_tokens(sql)
+    seps = [i for kind, i in tokens if kind == ";"]
+    if seps and not any(kind != ";" for kind, i in tokens if i > seps[0]):
+        return sql[: seps[0]]
+    return sql
 
 
 class EmbeddedStore:
@@ -347,7 +356,7 @@ class EmbeddedStore:
     def _iter_query(self, sql: str, batch_rows: int) -> Iterator[QueryResult]:
         import pyarrow as pa
 
-        stmt = sql.rstrip().rstrip(";")
+        stmt = _one_statement(sql)
         tmp = tempfile.mkdtemp(prefix="ranklens-iter-")
         try:
             path = os.path.join(tmp, "result.arrow")
