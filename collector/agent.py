@@ -64,7 +64,7 @@ from ranklens.collector.outbox import COLLECTOR_DIR, Outbox
 from ranklens.collector.rules import RuleSet, load_rules, read_config_file, rules_from_config
 from ranklens.collector.shipper import COMPACT_EVERY, Shipper, SpoolBudget, hold_collector_lock, parse_bytes
 from ranklens.collector.tailer import LogSource, Tailer
-from ranklens.config import DEFAULT_SPOOL_DIR, node_name
+from ranklens.config import DEFAULT_SPOOL_DIR, ENV_COLLECTOR_FAULT, ENV_COLLECTOR_PREFIX, node_name
 from ranklens.errors import ConfigError
 from ranklens.store.api import Store
 
@@ -240,7 +240,7 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         raise ConfigError(f"{where}: {e}") from None
 
 
-ENV_PREFIX = "RANKLENS_COLLECTOR_"
+ENV_PREFIX = ENV_COLLECTOR_PREFIX
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -250,7 +250,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     types = {f.name: f.type for f in dataclasses.fields(AgentConfig)}
     out: dict[str, Any] = {}
     for var, raw in environ.items():
-        if not var.startswith(ENV_PREFIX) or var == "RANKLENS_COLLECTOR_FAULT":
+        if not var.startswith(ENV_PREFIX) or var == ENV_COLLECTOR_FAULT:
             continue
         key = var[len(ENV_PREFIX) :].lower()
         if key not in _COLLECTOR_KEYS:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ranklens.config import node_name
+from ranklens.config import ENV_JOB_ID, node_name
 
 __all__ = ["GpuReading", "GpuSampler", "RankResolver", "read_proc_environ"]
 
@@ -88,7 +88,7 @@ class RankResolver:
                 rank = int(env["RANK"])
             except ValueError:
                 continue
-            job = env.get("RANKLENS_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or ""
+            job = env.get(ENV_JOB_ID) or env.get("TORCHELASTIC_RUN_ID") or ""
             score = (1 if _visible_device(env) in (str(index), uuid) else 0, used or 0, job, rank)
             if best is None or score[:2] > best[:2]:
                 best = score

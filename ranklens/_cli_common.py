@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ranklens.config import ENV_STORE
+from ranklens.config import ENV_HOST, ENV_LOG_FORMAT, ENV_LOG_LEVEL, ENV_OUTBOX, ENV_POLICY, ENV_SPOOL, ENV_STORE
 from ranklens.errors import EXIT_CODES, RanklensError
 
 EPILOG = "Exit codes: " + ", ".join(f"{k} {v}" for k, v in EXIT_CODES.items()) + "."
@@ -71,7 +71,7 @@ def policy_options(*, required: bool) -> Callable[[F], F]:
         f = click.option(
             "--outbox",
             "outbox_dir",
-            envvar="RANKLENS_OUTBOX",
+            envvar=ENV_OUTBOX,
             default=None,
             help="Durable webhook outbox directory (default: ~/.ranklens/outbox). Env: RANKLENS_OUTBOX.",
         )(f)
@@ -79,7 +79,7 @@ def policy_options(*, required: bool) -> Callable[[F], F]:
             "--policy",
             "policy_file",
             type=click.Path(exists=True, dir_okay=False),
-            envvar="RANKLENS_POLICY",
+            envvar=ENV_POLICY,
             default=None,
             required=required,
             help="Recovery policy file (TOML, docs/recovery.md). Env: RANKLENS_POLICY.",
@@ -102,7 +102,7 @@ def agent_options(f: F) -> F:
             click.option(
                 "--spool",
                 "spool_dir",
-                envvar="RANKLENS_SPOOL",
+                envvar=ENV_SPOOL,
                 default=None,
                 help="Spool root the tracers write (env RANKLENS_SPOOL; default /tmp/ranklens-spool).",
             ),
@@ -122,7 +122,7 @@ def agent_options(f: F) -> F:
             ),
             click.option(
                 "--host",
-                envvar="RANKLENS_HOST",
+                envvar=ENV_HOST,
                 default=None,
                 help="This node's name (env RANKLENS_HOST; default: the host name). The collector keeps its "
                 "state under it: on Kubernetes pass the node name, not the pod's.",
@@ -138,7 +138,7 @@ def agent_options(f: F) -> F:
             click.option(
                 "--log-level",
                 type=click.Choice(["debug", "info", "warning", "error"]),
-                envvar="RANKLENS_LOG_LEVEL",
+                envvar=ENV_LOG_LEVEL,
                 default="info",
                 show_default=True,
                 help="The collector's own log level (env RANKLENS_LOG_LEVEL).",
@@ -146,7 +146,7 @@ def agent_options(f: F) -> F:
             click.option(
                 "--log-format",
                 type=click.Choice(["text", "json"]),
-                envvar="RANKLENS_LOG_FORMAT",
+                envvar=ENV_LOG_FORMAT,
                 default="text",
                 show_default=True,
                 help="The collector's own logs on stderr: text lines or one JSON object per line.",

@@ -16,6 +16,7 @@ import click
 
 from ranklens import __version__
 from ranklens._cli_common import EPILOG, agent_options, errors, password_note, policy_options, store_flag, store_option
+from ranklens.config import DEFAULT_SPOOL_DIR, ENV_ALERTS_TOKEN, ENV_SPOOL
 from ranklens.errors import NotFound
 from ranklens.errors import StoreUnavailable as StoreUnavailableError
 
@@ -882,7 +883,7 @@ def alerts_receiver(store_url: str | None, host: str, port: int) -> None:
 
     from ranklens.analyzers.recovery import AlertAttacher, AlertmanagerReceiver
 
-    receiver = AlertmanagerReceiver(AlertAttacher(_open(store_url)), token=os.environ.get("RANKLENS_ALERTS_TOKEN", ""))
+    receiver = AlertmanagerReceiver(AlertAttacher(_open(store_url)), token=os.environ.get(ENV_ALERTS_TOKEN, ""))
     click.echo(f"receiving Alertmanager webhooks on http://{host}:{port}/alertmanager (Ctrl-C to stop)", err=True)
     try:
         receiver.serve_forever(host, port)
@@ -898,8 +899,8 @@ def alerts_receiver(store_url: str | None, host: str, port: int) -> None:
 @click.option(
     "--spool",
     "spool_dir",
-    envvar="RANKLENS_SPOOL",
-    default="/tmp/ranklens-spool",
+    envvar=ENV_SPOOL,
+    default=DEFAULT_SPOOL_DIR,
     show_default=True,
     help="Spool root the ranks write (env RANKLENS_SPOOL).",
 )

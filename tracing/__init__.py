@@ -32,7 +32,19 @@ from typing import Any
 
 from ranklens._guard import require_installed_name
 from ranklens.config import DEFAULT_SPOOL_DIR as DEFAULT_SPOOL
-from ranklens.config import ENV_ATTEMPT, ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL, env_float, env_int
+from ranklens.config import (
+    ENV_ATTEMPT,
+    ENV_AUTOSTEP,
+    ENV_DDP,
+    ENV_DISABLE,
+    ENV_FR_INTERVAL_S,
+    ENV_FR_STUCK_S,
+    ENV_JOB_ID,
+    ENV_PROFILE_EVERY,
+    ENV_SPOOL,
+    env_float,
+    env_int,
+)
 from ranklens.tracing.tracer import Tracer
 
 require_installed_name(__name__, "ranklens.tracing")  # not `import tracing` from the repository root
@@ -163,9 +175,9 @@ def init(
             coords={"pp": pp, "tp": tp, "dp": dp},
             spool_dir=spool_dir or os.environ.get(ENV_SPOOL) or DEFAULT_SPOOL,
             flush_interval_s=flush_interval_s,
-            fr_stuck_s=fr_stuck_s if fr_stuck_s is not None else env_float("RANKLENS_FR_STUCK_S", 30.0, minimum=0),
+            fr_stuck_s=fr_stuck_s if fr_stuck_s is not None else env_float(ENV_FR_STUCK_S, 30.0, minimum=0),
             fr_interval_s=(
-                fr_interval_s if fr_interval_s is not None else env_float("RANKLENS_FR_INTERVAL_S", 0.0, minimum=0)
+                fr_interval_s if fr_interval_s is not None else env_float(ENV_FR_INTERVAL_S, 0.0, minimum=0)
             ),
             store=_default_store(dist) if initialized else None,
         )
@@ -180,7 +192,7 @@ def init(
         tracer.profiler = ProfilerWindows(
             tracer.kineto_dir,
             rank,
-            every=profile_every if profile_every is not None else env_int("RANKLENS_PROFILE_EVERY", 0, minimum=0),
+            every=profile_every if profile_every is not None else env_int(ENV_PROFILE_EVERY, 0, minimum=0),
             active_steps=profile_steps,
             trigger_file=profile_trigger or os.path.join(job_dir, "profile-now"),
             signum=profile_signal,
@@ -197,7 +209,7 @@ def init(
                 pg = c10d._get_process_group_name(g)
                 tracer._pg_names[id(g)] = (pg, g)
                 _patch._register_group(tracer, c10d, g, pg)
-            if ddp and os.environ.get("RANKLENS_DDP", "1").lower() not in ("0", "false", "no"):
+            if ddp and os.environ.get(ENV_DDP, "1").lower() not in ("0", "false", "no"):
                 from ranklens.tracing import _ddp
 
                 _ddp.patch_ddp(tracer)
@@ -208,7 +220,7 @@ def init(
                 _dataloader.patch_dataloader(tracer)
             except Exception:
                 log.exception("ranklens: could not instrument DataLoader; input waits are not timed")
-        if autostep and os.environ.get("RANKLENS_AUTOSTEP", "1").lower() not in ("0", "false", "no"):
+        if autostep and os.environ.get(ENV_AUTOSTEP, "1").lower() not in ("0", "false", "no"):
             try:
                 from ranklens.tracing._autostep import AutoStep
 

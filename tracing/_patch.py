@@ -23,6 +23,8 @@ import os
 import threading
 from typing import Any
 
+from ranklens.config import ENV_FR_LEDGER
+
 __all__ = ["patch", "unpatch"]
 
 log = logging.getLogger("ranklens.tracing")
@@ -50,7 +52,6 @@ _OPS: dict[str, tuple[str | None, str | None]] = {
     "irecv": ("tensor", "recv"),
 }
 
-ENV_FR_LEDGER = "RANKLENS_FR_LEDGER"  # 0: no flight-recorder ring, the wrappers' own seqs only
 
 _originals: dict[tuple[Any, str], Any] = {}
 # torch implements some ops with others (send -> isend): record only the outermost call.

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ranklens.analyzers import Finding, find_stragglers, save_findings
 from ranklens.collector import Shipper
+from ranklens.config import ENV_JOB_ID, ENV_SPOOL
 from ranklens.errors import ConfigError, RanklensError
 from ranklens.store.api import Store
 
@@ -94,8 +95,8 @@ def run_demo(
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": str(ranks),
-        "RANKLENS_JOB_ID": job_id,
-        "RANKLENS_SPOOL": str(spool),
+        ENV_JOB_ID: job_id,
+        ENV_SPOOL: str(spool),
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     }
