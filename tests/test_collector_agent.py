@@ -20,6 +20,7 @@ from ranklens.collector.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeNvml,
 from ranklens.collector.tailer import LogSource
 from ranklens.errors import ConfigError, StoreError
 from ranklens.formats.spool import SpoolWriter
+from ranklens.store.testing import DownStore, SlowStore
 from tests._sync import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,34 +172,11 @@ def test_without_gpu_or_driver_everything_else_runs(tmp_path, embedded_store, ca
     assert embedded_store.query("SELECT count() FROM log_events").scalar() == 1
 
 
-class HangingStore:
-    """A store whose writes never finish (a server that accepts and then stalls)."""
-
-    url = "hang://"
-    backend = "hang"
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def write_many(self, batches):
-        self.entered.set()
-        self.release.wait(30)
-        return {k: v.num_rows for k, v in batches.items()}
-
-    def write(self, table, data):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def query(self, sql):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def close(self):
-        pass
-
-
-def test_stop_is_bounded_even_when_the_store_hangs(tmp_path):
+def test_stop_is_bounded_even_when_the_store_hangs(tmp_path, embedded_store):
     SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW])
-    store = HangingStore()
+    release = threading.Event()
+    # a server that accepts the insert and then stalls (until released, at most 30 s)
+    store = SlowStore(embedded_store, until=release.is_set, timeout_s=30, ops={"write_many"})
     agent = Agent(_config(tmp_path, nvml=False, logs=()), store=store)
     agent.start()
     assert store.entered.wait(10)
@@ -206,7 +184,7 @@ def test_stop_is_bounded_even_when_the_store_hangs(tmp_path):
     assert agent.stop(timeout=0.5) is False
     assert time.monotonic() - t0 < 2
     assert agent.shipper.pending()  # not acknowledged, so still on disk
-    store.release.set()
+    release.set()
 
 
 def test_config_file_with_overrides_and_clear_errors(tmp_path):
@@ -428,30 +406,17 @@ def test_the_documented_config_is_valid(tmp_path):
 def test_shipping_backs_off_while_the_store_is_down_and_logs_once(tmp_path, caplog):
     from ranklens.errors import StoreUnavailable
 
-    class Down:
-        url, backend = "down://", "down"
-        calls = 0
-
-        def write_many(self, batches):
-            Down.calls += 1
-            raise StoreUnavailable("connection refused")
-
-        def query(self, sql):  # a segment in doubt is looked up first
-            Down.calls += 1
-            raise StoreUnavailable("connection refused")
-
-        def close(self):
-            pass
-
+    # every call (a write, or the look-up of a segment in doubt) refused and counted
+    down = DownStore(error=lambda: StoreUnavailable("connection refused"))
     SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW])
-    agent = Agent(_config(tmp_path, nvml=False, logs=(), metrics_port=None, ship_interval_s=0.05), store=Down())
+    agent = Agent(_config(tmp_path, nvml=False, logs=(), metrics_port=None, ship_interval_s=0.05), store=down)
     with caplog.at_level("WARNING", logger="ranklens.collector"):
         agent.start()
-        time.sleep(3.0)
+        time.sleep(3.0)  # the window the backoff is measured over, not a synchronisation
         agent.stop(timeout=5)
     # without backoff: ~60 passes in 3 s; doubling from 50 ms: a handful
-    assert 2 <= Down.calls <= 9, Down.calls
-    assert agent.shipper.failures == Down.calls
+    assert 2 <= down.attempts <= 9, down.attempts
+    assert agent.shipper.failures == down.attempts
     assert sum("store unavailable" in r.getMessage() for r in caplog.records) == 1  # said once, not per pass
 
 

@@ -201,26 +201,16 @@ def test_free_space_floor_evicts_low_value_data_only_while_the_store_is_down(tmp
     (injected free-space probe: 10 MB free, a 1 GiB floor) and counts it; the rest ships later."""
     from ranklens.collector import Shipper
     from ranklens.collector.shipper import SpoolBudget
-    from ranklens.errors import StoreUnavailable
     from ranklens.store import open_store
+    from ranklens.store.testing import DownStore
 
     spool = tmp_path / "spool"
     want = _mixed_spool(spool, "down", k=6)
     store = open_store(store_url)
-
-    class Down:
-        url, backend = store.url, store.backend
-
-        def write_many(self, batches):
-            raise StoreUnavailable("down")
-
-        def query(self, sql):
-            raise StoreUnavailable("down")
-
     total = sum(p.stat().st_size for p in _pending(spool))
     free = {"bytes": 10 * 10**6}
     budget = SpoolBudget(max_bytes=0, min_free_bytes=10 * 10**6 + total // 3, check_interval_s=0)
-    sh = Shipper(spool, Down(), budget=budget, free_bytes=lambda _p: free["bytes"])
+    sh = Shipper(spool, DownStore(store.url, store.backend), budget=budget, free_bytes=lambda _p: free["bytes"])
     r = sh.ship_once()
     assert not r.ok and set(r.evicted) <= {"gpu_samples", "heartbeats"} and r.evicted, r
     sh.store = store
