@@ -1,6 +1,8 @@
 """The per-node agent: one object that runs every collector loop and stops them cleanly.
 
-Loops (each a daemon thread, each surviving its own errors):
+Loops (tasks on the process's one background worker, :mod:`ranklens._worker`; each survives its
+own errors, which are counted; each blocking loop has a lane of its own, so a store that does not
+answer holds up neither the logs nor NVML, and the disk budget is checked on the worker's tick):
 
 - **ship**: the :class:`~ranklens.collector.shipper.Shipper` moves spool segments (rank spools
   and the collector's own) into the store; a segment is deleted only after the store has it;
@@ -52,11 +54,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ranklens._metrics_http import MetricsServer
+from ranklens._worker import Worker
 from ranklens.collector.liveness import LivenessWatcher
 from ranklens.collector.metrics import CollectorMetrics
 from ranklens.collector.nvml import GpuSampler
@@ -279,11 +282,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-@dataclass
-class _Loop:
-    name: str
-    thread: threading.Thread
-    stop: threading.Event = field(default_factory=threading.Event)
+_LOG_CATCH_UP_POLLS = 64  # polls in a row while the logs have more (each bounded per file)
 
 
 class Agent:
@@ -291,7 +290,7 @@ class Agent:
 
     Args:
         config: what to run.
-        store: where rows go (used by the shipping thread only).
+        store: where rows go (used by the shipping lane only).
         registry: Prometheus registry for the metrics (default: a new one).
         nvml: the NVML module (default: ``pynvml``; a FakeNvml in tests).
         environ_reader: pid -> environment, for GPU -> rank mapping (tests).
@@ -344,16 +343,26 @@ class Agent:
 
             resolver = RankResolver(environ_reader) if environ_reader else None
             self.sampler = GpuSampler(nvml, host=self.host, resolver=resolver)
+        self._next_ship = 0.0  # while the store keeps failing: no pass before this (monotonic s)
+        self._last_commit = 0.0
+        self._gpu_on = False
+        self._gpu_samples: list[dict[str, Any]] = []
+        self._gpu_events: list[dict[str, Any]] = []
+        self._gpu_last_write = 0.0
         self.server: MetricsServer | None = None
-        self._loops: list[_Loop] = []
+        self._worker: Worker | None = None
         self._started = False
         self._ship_passes = 0
         self._collector_lock: Any = None
-        self.errors: dict[str, int] = {}
 
     # --- lifecycle ------------------------------------------------------------------------
 
     @property
+    @property
+    def errors(self) -> dict[str, int]:
+        """Exceptions the loops raised (caught and counted; no loop stops for one), by loop."""
+        return dict(self._worker.stats().errors_by_name) if self._worker is not None else {}
+
     def metrics_port(self) -> int | None:
         """The bound ``/metrics`` port (None without an endpoint)."""
         return self.server.port if self.server else None
@@ -368,49 +377,31 @@ class Agent:
         if not self._collector_lock.__enter__():
             log.info("ranklens collector: another process (ranklens run?) ships %s too; taking turns", self.spool_dir)
         if self.config.metrics_port is not None:
+        w = self._worker = Worker("ranklens-collector", max_queue=16)
             self.server = MetricsServer(
                 self.metrics.registry, port=self.config.metrics_port, addr=self.config.metrics_addr
             )
             self.server.start()
         if self.tailer is not None:
-            self._spawn("logs", self._logs_loop)
+            self._last_commit = time.monotonic()
+            w.every(self.config.log_poll_interval_s, self._logs_tick, name="logs", blocking=True, lane="logs")
         if self.sampler is not None:
-            self._spawn("gpu", self._gpu_loop)
-        self._spawn("ship", self._ship_loop)
+            w.submit(self._gpu_start, name="gpu", lane="gpu")
+        self._next_ship = 0.0
+        w.submit(self._ship_tick, name="ship")  # the first pass at once, then every ship_interval_s
+        w.every(self.config.ship_interval_s, self._ship_tick, name="ship", blocking=True)
         if self.config.budget.max_bytes or self.config.budget.min_free_bytes:
-            self._spawn("budget", self._budget_loop)
-
-    def _spawn(self, name: str, target: Callable[[threading.Event], None]) -> None:
-        stop = threading.Event()
-        t = threading.Thread(
-            target=self._guard, args=(name, target, stop), name=f"ranklens-collector-{name}", daemon=True
-        )
-        self._loops.append(_Loop(name, t, stop))
-        t.start()
-
-    def _guard(self, name: str, target: Callable[[threading.Event], None], stop: threading.Event) -> None:
-        try:
-            target(stop)
-        except Exception:
-            log.exception("ranklens collector: the %s loop failed and stopped", name)
-            self.errors[name] = self.errors.get(name, 0) + 1
+            w.every(self.config.spool_check_interval_s, self._budget_tick, name="budget")
 
     def stop(self, timeout: float | None = None) -> bool:
         """Stop within ``timeout`` seconds (default: the config's): producers flush to the spool,
         the shipper makes a last pass, the endpoint closes. True when every loop finished in time."""
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.shutdown_timeout_s)
+        timeout_s = timeout if timeout is not None else self.config.shutdown_timeout_s
         clean = True
-        producers = [lp for lp in self._loops if lp.name != "ship"]
-        for lp in producers:
-            lp.stop.set()
-        for lp in producers:
-            lp.thread.join(max(0.0, deadline - time.monotonic()))
-            clean &= not lp.thread.is_alive()
-        for lp in self._loops:
-            if lp.name == "ship":
-                lp.stop.set()
-                lp.thread.join(max(0.0, deadline - time.monotonic()))
-                clean &= not lp.thread.is_alive()
+        if self._started and self._worker is not None:
+            # the worker ends its tick, lets the logs and GPU lanes finish, then runs the final
+            # pass on the shipping lane: the producers' last rows, then the last shipping pass
+            clean = self._worker.close(timeout_s, final=self._final_pass).clean
         if self.server is not None:
             self.server.close()
         if self._collector_lock is not None:
@@ -418,7 +409,6 @@ class Agent:
             self._collector_lock = None
         if not clean:
             log.warning("ranklens collector: stopped with loops still running (timeout); their data stays in the spool")
-        self._loops = []
         self._started = False
         return clean
 
@@ -481,30 +471,53 @@ class Agent:
         oldest = sh.spool_oldest
         self.metrics.ship_lag.set(max(0.0, time.time() - oldest) if oldest is not None else 0.0)
 
-    def _ship_loop(self, stop: threading.Event) -> None:
-        while True:
-            stopping = stop.is_set()
-            try:
-                self.ship_once()
-            except Exception:
-                log.exception("ranklens collector: shipping pass failed; segments stay for the next one")
-                self.metrics.store_errors.inc()
-            if self.liveness is not None:
-                try:
-                    self.metrics.ranks_gone.inc(len(self.liveness.check()))
-                except Exception:
-                    log.exception("ranklens collector: liveness check failed")
-            if stopping:
-                return
-            stop.wait(self._ship_delay())
+    def _ship_tick(self) -> None:
+        """The shipping lane's task: a pass every ``ship_interval_s``, backing off while the store fails."""
+        if self.shipper.failures and time.monotonic() < self._next_ship:
+            return
+        self._ship_pass()
+        self._next_ship = time.monotonic() + self._ship_delay()
 
-    def _budget_loop(self, stop: threading.Event) -> None:
+    def _ship_pass(self) -> None:
+        try:
+            self.ship_once()
+        except Exception:
+            log.exception("ranklens collector: shipping pass failed; segments stay for the next one")
+            self.metrics.store_errors.inc()
+        if self.liveness is not None:
+            try:
+                self.metrics.ranks_gone.inc(len(self.liveness.check()))
+            except Exception:
+                log.exception("ranklens collector: liveness check failed")
+
+    def _final_pass(self) -> None:
+        """At stop, when no other loop runs: what the producers hold goes to the spool, then the
+        last shipping pass."""
+        try:
+            if self.tailer is not None:
+                try:
+                    self.tailer.poll()  # what was written up to the stop
+                    self._commit_logs()
+                finally:
+                    self.tailer.close()
+        finally:
+            try:
+                if self._gpu_on:
+                    self._gpu_on = False
+                    try:
+                        self._gpu_tick(stopping=True)
+                    finally:
+                        assert self.sampler is not None
+                        self.sampler.close()
+            finally:
+                self._ship_pass()
+
+    def _budget_tick(self) -> None:
         """While the store fails, passes back off (up to a minute) and one may take long (a server
-        that does not answer); the disk budget is held meanwhile, every ``spool_check_interval_s``,
-        so it holds as data arrives (issue 22 #6)."""
-        while not stop.wait(self.config.spool_check_interval_s):
-            if self.shipper.failures:
-                self._check_budget()
+        that does not answer); the disk budget is held meanwhile, every ``spool_check_interval_s``
+        on the worker's tick (not behind the shipping lane), so it holds as data arrives (issue 22 #6)."""
+        if self.shipper.failures:
+            self._check_budget()
 
     def _check_budget(self) -> None:
         try:
@@ -528,27 +541,23 @@ class Agent:
             return base
         return max(base, min(60.0, base * 2.0 ** min(k, 16))) * random.uniform(0.8, 1.2)
 
-    def _logs_loop(self, stop: threading.Event) -> None:
+    def _logs_tick(self) -> None:
+        """The logs lane's task: read what is new; while there is more, read on (a bounded catch-up,
+        so a stop is not held up)."""
         tailer = self.tailer
         assert tailer is not None
-        last_commit = time.monotonic()
-        try:
-            while not stop.is_set():
-                try:
-                    got = tailer.poll()
-                except Exception:
-                    log.exception("ranklens collector: reading logs failed")
-                    got = 0
-                self.metrics.log_files.set(len(tailer.files))
-                if time.monotonic() - last_commit >= self.config.commit_interval_s:
-                    self._commit_logs()
-                    last_commit = time.monotonic()
-                if not got:
-                    stop.wait(self.config.log_poll_interval_s)
-            tailer.poll()  # what was written up to the stop
-            self._commit_logs()
-        finally:
-            tailer.close()
+        for _ in range(_LOG_CATCH_UP_POLLS):
+            try:
+                got = tailer.poll()
+            except Exception:
+                log.exception("ranklens collector: reading logs failed")
+                got = 0
+            self.metrics.log_files.set(len(tailer.files))
+            if time.monotonic() - self._last_commit >= self.config.commit_interval_s:
+                self._commit_logs()
+                self._last_commit = time.monotonic()
+            if not got or (self._worker is not None and self._worker.closed):
+                return
 
     def _commit_logs(self) -> None:
         assert self.tailer is not None
@@ -556,38 +565,40 @@ class Agent:
         if r.error:
             self.metrics.write_errors.labels("log_filter").inc()
 
-    def _gpu_loop(self, stop: threading.Event) -> None:
+    def _gpu_start(self) -> None:
+        """The GPU lane's first job: NVML up (or off, with one log line), then a sample every
+        ``nvml_interval_s`` on the same lane."""
         sampler = self.sampler
-        assert sampler is not None
+        assert sampler is not None and self._worker is not None
         if not sampler.start():
             self.metrics.nvml_available.set(0)
             return
         self.metrics.nvml_available.set(1)
-        samples: list[dict[str, Any]] = []
-        events: list[dict[str, Any]] = []
-        last_write = time.monotonic()
-        try:
-            while True:
-                stopping = stop.is_set()
-                t0 = time.monotonic()
-                r = sampler.sample()
-                samples.extend(r.samples)
-                events.extend(r.events)
-                self.metrics.observe_gpus(r.samples, r.extras)
-                for e in r.events:
-                    self.metrics.gpu_events.labels(e["kind"]).inc()
-                if stopping or time.monotonic() - last_write >= self.config.commit_interval_s or events:
-                    if self._write_gpu(samples, events):
-                        samples, events = [], []
-                    elif len(samples) > 100_000:  # the disk keeps failing: bound memory, count the loss
-                        self._write_drop("gpu_samples_dropped", len(samples))
-                        samples = []
-                    last_write = time.monotonic()
-                if stopping:
-                    return
-                stop.wait(max(0.0, self.config.nvml_interval_s - (time.monotonic() - t0)))
-        finally:
-            sampler.close()
+        self._gpu_on = True
+        self._gpu_last_write = time.monotonic()
+        self._gpu_tick()
+        self._worker.every(self.config.nvml_interval_s, self._gpu_tick, name="gpu", blocking=True, lane="gpu")
+
+    def _gpu_tick(self, stopping: bool = False) -> None:
+        sampler = self.sampler
+        assert sampler is not None
+        if not self._gpu_on and not stopping:
+            return
+        r = sampler.sample()
+        samples, events = self._gpu_samples, self._gpu_events
+        samples.extend(r.samples)
+        events.extend(r.events)
+        self.metrics.observe_gpus(r.samples, r.extras)
+        for e in r.events:
+            self.metrics.gpu_events.labels(e["kind"]).inc()
+        if stopping or time.monotonic() - self._gpu_last_write >= self.config.commit_interval_s or events:
+            if self._write_gpu(samples, events):
+                samples.clear()
+                events.clear()
+            elif len(samples) > 100_000:  # the disk keeps failing: bound memory, count the loss
+                self._write_drop("gpu_samples_dropped", len(samples))
+                samples.clear()
+            self._gpu_last_write = time.monotonic()
 
     def _write_gpu(self, samples: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
         try:
