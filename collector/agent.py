@@ -343,29 +343,29 @@ class Agent:
 
             resolver = RankResolver(environ_reader) if environ_reader else None
             self.sampler = GpuSampler(nvml, host=self.host, resolver=resolver)
+        self.server: MetricsServer | None = None
+        self._worker: Worker | None = None
+        self._started = False
+        self._ship_passes = 0
         self._next_ship = 0.0  # while the store keeps failing: no pass before this (monotonic s)
         self._last_commit = 0.0
         self._gpu_on = False
         self._gpu_samples: list[dict[str, Any]] = []
         self._gpu_events: list[dict[str, Any]] = []
         self._gpu_last_write = 0.0
-        self.server: MetricsServer | None = None
-        self._worker: Worker | None = None
-        self._started = False
-        self._ship_passes = 0
         self._collector_lock: Any = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
     @property
+    def metrics_port(self) -> int | None:
+        """The bound ``/metrics`` port (None without an endpoint)."""
+        return self.server.port if self.server else None
+
     @property
     def errors(self) -> dict[str, int]:
         """Exceptions the loops raised (caught and counted; no loop stops for one), by loop."""
         return dict(self._worker.stats().errors_by_name) if self._worker is not None else {}
-
-    def metrics_port(self) -> int | None:
-        """The bound ``/metrics`` port (None without an endpoint)."""
-        return self.server.port if self.server else None
 
     def start(self) -> None:
         """Start the metrics endpoint and every loop. Returns at once."""
@@ -377,11 +377,11 @@ class Agent:
         if not self._collector_lock.__enter__():
             log.info("ranklens collector: another process (ranklens run?) ships %s too; taking turns", self.spool_dir)
         if self.config.metrics_port is not None:
-        w = self._worker = Worker("ranklens-collector", max_queue=16)
             self.server = MetricsServer(
                 self.metrics.registry, port=self.config.metrics_port, addr=self.config.metrics_addr
             )
             self.server.start()
+        w = self._worker = Worker("ranklens-collector", max_queue=16)
         if self.tailer is not None:
             self._last_commit = time.monotonic()
             w.every(self.config.log_poll_interval_s, self._logs_tick, name="logs", blocking=True, lane="logs")
