@@ -121,3 +121,32 @@ def pytest_make_collect_report(collector):
     # a module-level importorskip skips the whole module at collection
     outcome = yield
     _gate_skip(outcome.get_result())
+
+
+# --- marks that mean what they say ------------------------------------------------------------
+# e2e: a real multi-process torch job; server: the ClickHouse server; browser: a real Chromium;
+# slow: over ~10 s. A test that takes longer than SLOW_S without `slow` or `e2e` is listed in the
+# summary (a warning, not a failure) so that `-m "not slow and not e2e"` stays the quick loop.
+SLOW_S = 10.0  # the default of the ini option slow_test_s
+_durations: dict[str, float] = {}
+_unmarked: set[str] = set()
+
+
+def pytest_runtest_logreport(report) -> None:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    if not ({"slow", "e2e"} & set(report.keywords)):
+        _unmarked.add(report.nodeid)
+
+
+def pytest_addoption(parser) -> None:
+    parser.addini("slow_test_s", "seconds over which a test must be marked slow or e2e", default=str(SLOW_S))
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    limit = float(config.getini("slow_test_s"))
+    over = sorted(((d, n) for n, d in _durations.items() if n in _unmarked and d > limit), reverse=True)
+    if not over:
+        return
+    terminalreporter.write_sep("=", f"{len(over)} test(s) over {limit:g} s without a slow or e2e mark", yellow=True)
+    for seconds, nodeid in over:
+        terminalreporter.write_line(f"WARNING unmarked slow test: {nodeid} took {seconds:.1f} s (mark it slow or e2e)")
