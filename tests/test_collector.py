@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import shutil
-import time
 
 from ranklens.collector import Shipper
 from ranklens.formats.spool import SpoolWriter
+from ranklens.store.testing import DownStore, FlakyStore, SlowStore
 
 ROW = {"job_id": "j", "attempt": 0, "rank": 0, "pg": "0", "seq": 1, "op": "all_reduce", "enter_ns": 5}
 
@@ -64,31 +64,26 @@ def _seqs(store) -> list[int]:
     return sorted(int(s) for (s,) in store.query("SELECT seq FROM collectives").rows())
 
 
-class _FailAfterWrite:
-    """The store takes the rows, then the connection drops before the answer (the ack is lost)."""
+def _fail_after_write(inner):
+    """The store takes the rows, then the connection drops before the answer (the ack is lost),
+    until healed."""
+    from ranklens.errors import StoreUnavailable
 
-    def __init__(self, inner) -> None:
-        self.inner, self.url, self.backend = inner, inner.url, inner.backend
-        self.fail = True
-
-    def write_many(self, batches):
-        written = self.inner.write_many(batches)
-        if self.fail:
-            from ranklens.errors import StoreUnavailable
-
-            raise StoreUnavailable("connection reset after the block was sent")
-        return written
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    return FlakyStore(
+        inner,
+        failures=None,
+        ops={"write_many"},
+        after=True,
+        error=lambda: StoreUnavailable("connection reset after the block was sent"),
+    )
 
 
 def test_lost_acknowledgement_is_not_shipped_twice(tmp_path, store):
     SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(5))
-    flaky = _FailAfterWrite(store)
+    flaky = _fail_after_write(store)
     sh = Shipper(tmp_path / "spool", flaky)
     assert not sh.ship_once().ok and len(sh.pending()) == 1 and sh.in_doubt
-    flaky.fail = False
+    flaky.heal()
     r = sh.ship_once()
     assert r.ok and r.already_stored == 1 and r.rows == {} and sh.pending() == []
     assert _seqs(store) == list(range(5))
@@ -99,7 +94,7 @@ def test_lost_acknowledgement_is_not_shipped_twice(tmp_path, store):
 def test_restart_after_a_crash_between_store_and_delete(tmp_path, store):
     spool = tmp_path / "spool"
     SpoolWriter.for_rank(spool, "j", 0, 0).write("collectives", _rows(3))
-    flaky = _FailAfterWrite(store)
+    flaky = _fail_after_write(store)
     Shipper(spool, flaky).ship_once()  # rows stored, segment kept, journal names it
     journal = spool / "_collector" / "state"
     assert list(journal.rglob("shipping.json"))
@@ -170,7 +165,6 @@ def test_unreadable_journal_puts_every_segment_in_doubt(tmp_path, embedded_store
 
 def test_disk_budget_drops_oldest_low_value_data_first_and_counts_it(tmp_path, embedded_store):
     from ranklens.collector.shipper import SpoolBudget
-    from ranklens.errors import StoreUnavailable
 
     spool = tmp_path / "spool"
     w = SpoolWriter.for_rank(spool, "j", 0, 0)
@@ -183,16 +177,7 @@ def test_disk_budget_drops_oldest_low_value_data_first_and_counts_it(tmp_path, e
     # (it frees down to a tenth below the limit)
     limit = int((sum(sizes.values()) - sizes[old_hb[0]] - sizes[old_hb[1]] / 2) / 0.9)
 
-    class Down:
-        url, backend = "down://", "down"
-
-        def write_many(self, batches):
-            raise StoreUnavailable("down")
-
-        def query(self, sql):
-            raise StoreUnavailable("down")
-
-    sh = Shipper(spool, Down(), budget=SpoolBudget(max_bytes=limit, min_free_bytes=0, check_interval_s=0))
+    sh = Shipper(spool, DownStore(), budget=SpoolBudget(max_bytes=limit, min_free_bytes=0, check_interval_s=0))
     r = sh.ship_once()
     assert not r.ok
     # heartbeats go first (low value), oldest first; collectives and log events are kept
@@ -225,25 +210,15 @@ def test_two_shippers_on_one_spool_never_send_a_segment_twice(tmp_path, embedded
 
     results = {}
 
-    class Slow:
+    def slow():
         """The store answers only once the other shipper has had its go (or after 60 s): both
         shippers would read the same segments before either deletes, whatever the threads' pace."""
-
-        url, backend = embedded_store.url, embedded_store.backend
-
-        def write_many(self, batches):
-            deadline = time.monotonic() + 60
-            while not results and time.monotonic() < deadline:
-                time.sleep(0.01)
-            return embedded_store.write_many(batches)
-
-        def query(self, sql):
-            return embedded_store.query(sql)
+        return SlowStore(embedded_store, until=lambda: bool(results), timeout_s=60, ops={"write_many"})
 
     w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
     for k in range(10):
         w.write("collectives", _rows(5, start=10 * k))
-    a, b = Shipper(tmp_path / "spool", Slow(), host="a"), Shipper(tmp_path / "spool", Slow(), host="b")
+    a, b = Shipper(tmp_path / "spool", slow(), host="a"), Shipper(tmp_path / "spool", slow(), host="b")
     threads = [
         threading.Thread(target=lambda s=s, n=n: results.update({n: s.ship_once()})) for n, s in (("a", a), ("b", b))
     ]
@@ -264,31 +239,26 @@ def test_the_journal_is_read_again_at_every_pass(tmp_path, store):
     spool = tmp_path / "spool"
     first = Shipper(spool, store, host="a")  # reads the (empty) journal now
     SpoolWriter.for_rank(spool, "j", 0, 0).write("collectives", _rows(4))
-    assert not Shipper(spool, _FailAfterWrite(store), host="b").ship_once().ok  # stored, not deleted
+    assert not Shipper(spool, _fail_after_write(store), host="b").ship_once().ok  # stored, not deleted
     r = first.ship_once()
     assert r.ok and r.already_stored == 1 and r.rows == {}
     assert _seqs(store) == list(range(4))
 
 
 def test_a_segment_the_store_cannot_take_is_quarantined_and_the_rest_ships(tmp_path, store):
-    class Picky:
-        """Fails converting one segment's rows (as a driver would on a value it cannot encode)."""
-
-        url, backend = store.url, store.backend
-
-        def write_many(self, batches):
-            if "collectives" in batches and 666 in batches["collectives"]["seq"].to_pylist():
-                raise ValueError("cannot encode seq 666")
-            return store.write_many(batches)
-
-        def query(self, sql):
-            return store.query(sql)
-
+    # fails converting one segment's rows (as a driver would on a value it cannot encode)
+    picky = FlakyStore(
+        store,
+        failures=None,
+        ops={"write_many"},
+        when=lambda _op, args: "collectives" in args[0] and 666 in args[0]["collectives"]["seq"].to_pylist(),
+        error=lambda: ValueError("cannot encode seq 666"),
+    )
     w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
     for k in range(3):
         w.write("collectives", _rows(3, start=10 * k))
     w.write("collectives", _rows(1, start=666))
-    sh = Shipper(tmp_path / "spool", Picky())
+    sh = Shipper(tmp_path / "spool", picky)
     r = sh.ship_once()
     assert r.ok and r.quarantined == 1 and r.segments == 3, r
     assert _seqs(store) == [0, 1, 2, 10, 11, 12, 20, 21, 22]
