@@ -196,30 +196,16 @@ def test_hook_that_raises_or_hangs_does_not_stall(embedded_store, tmp_path):
     assert "still running after 0.3 s" in rows[("hook:stuck", "timeout", fid)]
 
 
-class _DownStore:
-    """A store that cannot be reached (the boundary a test machine cannot make fail on demand)."""
-
-    url = "embedded:///nowhere"
-    backend = "embedded"
-
-    def query(self, sql):
-        from ranklens.errors import StoreUnavailable
-
-        raise StoreUnavailable("store down")
-
-    def write(self, table, data):
-        from ranklens.errors import StoreUnavailable
-
-        raise StoreUnavailable("store down")
-
-
 def test_store_down_only_notify_goes_ahead_and_audit_rows_wait(embedded_store, tmp_path):
+    from ranklens.store.testing import DownStore
+
     clock = Clock()
     rules = (
         PolicyRule(name="restart", kinds=("straggler",), level=Level.RESTART_RANK),
         PolicyRule(name="tell", kinds=("hang",), level=Level.NOTIFY),
     )
-    eng = RecoveryEngine(policy(rules=rules), _DownStore(), tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock)
+    down = DownStore("embedded:///nowhere", "embedded")  # the boundary a test machine cannot make fail on demand
+    eng = RecoveryEngine(policy(rules=rules), down, tmp_path / "ob", hooks=HookRegistry(), clock_ns=clock)
     r = eng.process([finding(now_ns=clock.ns), finding(kind="hang", rank=0, now_ns=clock.ns)])
     assert [(d.level, d.suppressed_by) for d in r.decisions] == [
         (Level.RESTART_RANK, "history_unavailable"),
