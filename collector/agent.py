@@ -175,12 +175,8 @@ class AgentConfig:
 
     def shipper(self, store: Store, **kw: Any) -> Shipper:
         """The shipper this configuration describes."""
-        sh = Shipper(self.spool_dir, store, host=self.hostname, budget=self.budget, **kw)
         legacy = self.state_path() / "shipping.json"  # where releases before issue 22 kept it
-        if legacy not in sh._legacy_journals and legacy != sh.journal_path:
-            sh._legacy_journals.append(legacy)
-            sh.in_doubt = sh._load_journal()
-        return sh
+        return Shipper(self.spool_dir, store, host=self.hostname, budget=self.budget, legacy_journals=[legacy], **kw)
 
 
 _COLLECTOR_KEYS = {f.name for f in dataclasses.fields(AgentConfig)} - {"logs", "rules"}

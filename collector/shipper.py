@@ -8,45 +8,34 @@ and never in the way of the other segments (issue 22 #1). A segment that fails o
 store takes its neighbours (a Python error converting it, a server refusing its block) goes the
 same way.
 
-**Nothing twice.** Every row is stamped with its segment's ``ingest_id`` (a hash of the segment's
-path and content). Before a pass sends anything, the segments it is about to send are written to
-a small journal (``<spool>/_collector/state/shipping.json``, fsynced). A segment in the journal is
-*in doubt*: the collector
-may have died (kill -9, OOM, power) or the store may have failed after the rows reached it but
-before the segment was deleted. The next pass that sees a segment in doubt asks the store how many
-rows carry its id: all of them → the segment is deleted without sending; none → sent; some (a
-batch the server applied partly) → those rows are discarded and the segment is sent again. Rows are
-sent in blocks of at most :data:`MAX_BLOCK_ROWS` rows that never split a segment, so a ClickHouse
-server applies each segment's rows atomically. The lookup costs one query per table, and only
-after a failure or a restart: a healthy pass sends without asking.
+**Nothing twice.** Every row is stamped with its segment's ``ingest_id``; the segments a pass is
+about to send are first written to the spool's delivery journal (:mod:`ranklens.collector.journal`),
+and a segment in doubt is settled with the store before it is sent again
+(:mod:`ranklens.collector.settle`). Profiler traces go the same way (:mod:`ranklens.collector.ship_kineto`).
 
 **One journal per spool.** Every shipper of a spool (the node agent, a one-off ``ranklens collect``,
 the shipper of ``ranklens run``) works under one ``flock`` (``<spool>/.ranklens-ship.lock``) and
 re-reads the one journal under it at every pass, so a segment another process sent and did not get
 to delete (it was killed after the store's acknowledgement) is asked about, never sent twice
 (issue 22 #3). The node agent also holds ``<spool>/.collector.lock`` (:func:`hold_collector_lock`)
-so ``ranklens run`` does not start a second shipper next to it.
+so ``ranklens run`` does not start a second shipper next to it (:mod:`ranklens.collector.locks`).
 
 **Bounded disk.** While the store cannot take the rows (a pass failed) and the spool outgrows its
-budget (:class:`SpoolBudget`: a size limit and a free-space floor), the oldest segments of the
-least valuable tables go first (profiler traces, GPU samples, heartbeats; then steps, phases and
-collectives; log events, GPU events and the job's metadata last), and every row lost that way is
-counted in ``drops``. A store that takes the rows is always given them first: nothing is evicted
-while it is healthy (issue 22 #2). The budget is checked as data arrives
-(:meth:`Shipper.check_budget`, every tick of the agent's loop, however long the shipping passes
-back off), not only at passes (issue 22 #6).
+budget (:class:`SpoolBudget`, :mod:`ranklens.collector.budget`), the oldest segments of the least
+valuable tables go first, and every row lost that way is counted in ``drops``. A store that takes
+the rows is always given them first: nothing is evicted while it is healthy (issue 22 #2). The
+budget is checked as data arrives (:meth:`Shipper.check_budget`, every tick of the agent's loop,
+however long the shipping passes back off), not only at passes (issue 22 #6).
+
+This module keeps the :class:`Shipper` itself: the pass (read, settle, write, delete), the
+quarantine, the drop counts and the loop.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import re
-import shutil
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -54,40 +43,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ranklens.collector import budget as _budget
+from ranklens.collector.budget import TRACE_TABLE, SpoolBudget, parse_bytes
+from ranklens.collector.fault_drill import FaultDrill
+from ranklens.collector.journal import JOURNAL, JOURNAL_VERSION, Journal
+from ranklens.collector.locks import COLLECTOR_LOCK, LOCK_FILE, hold_collector_lock, spool_lock
+from ranklens.collector.settle import MAX_BLOCK_ROWS, Segment, blocks, ingest_id_of, settle
+from ranklens.collector.ship_kineto import ship_traces
 from ranklens.config import node_name
-from ranklens.errors import ConfigError, IngestError, StoreError, StoreUnavailable
+from ranklens.errors import IngestError, StoreError, StoreUnavailable
+from ranklens.formats.spool import COLLECTOR_DIR, safe_part
 from ranklens.ingest import read_jsonl
-from ranklens.schema import INGEST_ID, TABLES
 from ranklens.store.api import Store
 
 __all__ = [
     "COLLECTOR_LOCK",
+    "COMPACT_EVERY",
+    "JOURNAL",
+    "JOURNAL_VERSION",
+    "LOCK_FILE",
     "MAX_BLOCK_ROWS",
+    "TRACE_TABLE",
     "ShipResult",
     "Shipper",
     "SpoolBudget",
     "hold_collector_lock",
+    "ingest_id_of",
     "parse_bytes",
 ]
 
 log = logging.getLogger("ranklens.collector")
 
 QUARANTINE = "quarantine"
-LOCK_FILE = ".ranklens-ship.lock"
-COLLECTOR_LOCK = ".collector.lock"  # held by the node agent; ranklens run ships only when it can take it
-JOURNAL = "_collector/state/shipping.json"  # one per spool, beside the collector's state
 COMPACT_EVERY = 20
-MAX_BLOCK_ROWS = 1_000_000  # at most this many rows of one table per insert (one atomic block on a server)
-JOURNAL_VERSION = 1
 PROBE_SEGMENTS = 16  # while the store fails, a pass tries this many segments before reading them all
-FAULT_ENV = "RANKLENS_COLLECTOR_FAULT"
-TRACE_TABLE = "trace_events"
-
-# Which data goes first when the spool is over budget (lowest value first).
-EVICTION_ORDER: tuple[tuple[str, ...], ...] = (
-    (TRACE_TABLE, "gpu_samples", "heartbeats"),
-    ("steps", "phases", "collectives"),
-)
+_DEFAULT_BUDGET = SpoolBudget()  # frozen: one default shared by every shipper
 
 
 @dataclass
@@ -108,75 +98,6 @@ class ShipResult:
         return self.error is None
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def parse_bytes(value: int | float | str, what: str = "size") -> int:
-    """``20GiB``, ``500MB``, ``1e9`` or a plain number of bytes → bytes. Raises ConfigError."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}={value!r}: expected a size such as 20GiB or 500MB")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ConfigError(f"{what}={value!r}: must not be negative")
-        return int(value)
-    m = _SIZE.match(str(value))
-    if not m:
-        raise ConfigError(f"{what}={value!r}: expected a size such as 20GiB, 500MB or a number of bytes")
-    unit = (m.group(2) or "").lower()
-    base = 1024 if "i" in unit else 1000
-    mult = 1 if unit in ("", "b") else base ** ("kmgt".index(unit[0]) + 1)
-    return int(float(m.group(1)) * mult)
-
-
-@dataclass(frozen=True)
-class SpoolBudget:
-    """How much disk the spool may use while the store cannot take its rows.
-
-    Args:
-        max_bytes: the spool's size limit (pending segments and profiler traces); 0: no limit.
-        min_free_bytes: keep at least this much free on the spool's filesystem; 0: no floor.
-        check_interval_s: how often the spool is measured (a full directory walk).
-
-    Both limits apply only while the store cannot take the rows: a healthy store ships first.
-    """
-
-    max_bytes: int = 20 * 1024**3
-    min_free_bytes: int = 1024**3
-    check_interval_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.max_bytes < 0 or self.min_free_bytes < 0:
-            raise ConfigError("spool budget sizes must not be negative")
-        if not 0 <= self.check_interval_s <= 3600:
-            raise ConfigError(f"spool check_interval_s={self.check_interval_s!r}: allowed 0..3600 seconds")
-
-
-@dataclass(eq=False)
-class _Segment:
-    path: Path
-    rel: str
-    table: str
-    data: Any  # pyarrow.Table
-    ingest_id: int
-
-    @property
-    def rows(self) -> int:
-        return int(self.data.num_rows)
-
-
-def ingest_id_of(rel: str, content: bytes | Iterator[bytes]) -> int:
-    """The ``ingest_id`` of a segment: 63 bits of BLAKE2b over its spool path and content (never 0)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(rel.encode("utf-8", "surrogateescape") + b"\0")
-    if isinstance(content, bytes):
-        h.update(content)
-    else:
-        for chunk in content:
-            h.update(chunk)
-    return (int.from_bytes(h.digest(), "little") & (2**63 - 1)) or 1
-
-
 class Shipper:
     """Moves complete spool segments under ``spool_dir`` into ``store``, each row exactly once.
 
@@ -192,6 +113,8 @@ class Shipper:
         outbox: where drop records are written (default: the collector's outbox for ``host``).
         on_segment: called with (table, Arrow rows) once per segment read (metrics, liveness).
         tracer: an OpenTelemetry tracer: a span per pass, a child span per store call (off: None).
+        legacy_journals: journals older releases kept elsewhere (besides the per-host one under
+            ``<spool>/_collector/state/``): read, folded into the spool's journal, then removed.
     """
 
     def __init__(
@@ -202,30 +125,30 @@ class Shipper:
         max_segments: int = 2000,
         host: str | None = None,
         journal: str | os.PathLike[str] | None = None,
-        budget: SpoolBudget | None = SpoolBudget(),
+        budget: SpoolBudget | None = _DEFAULT_BUDGET,
         outbox: Any = None,
         on_segment: Callable[[str, Any], None] | None = None,
         tracer: Any = None,
         free_bytes: Callable[[Path], int] | None = None,
+        legacy_journals: Sequence[str | os.PathLike[str]] = (),
     ) -> None:
-        from ranklens.collector.outbox import COLLECTOR_DIR, _safe
-
         self.spool_dir = Path(spool_dir)
         self.store = store
         self.max_segments = max_segments
         self.host = host or node_name()
-        self.journal_path = Path(journal) if journal else self.spool_dir / JOURNAL
+        journal_path = Path(journal) if journal else self.spool_dir / JOURNAL
         # journals of older releases (one per host): folded into the spool's journal
-        self._legacy_journals = [self.spool_dir / COLLECTOR_DIR / "state" / _safe(self.host) / "shipping.json"]
+        legacy = [self.spool_dir / COLLECTOR_DIR / "state" / safe_part(self.host) / "shipping.json"]
+        legacy += [Path(p) for p in legacy_journals if Path(p) not in legacy and Path(p) != journal_path]
+        self._journal = Journal(journal_path, self.spool_dir, host=self.host, legacy=legacy)
         self.budget = budget
-        self._free_bytes = free_bytes or _free_bytes
+        self._free_bytes = free_bytes or _budget.free_bytes
         self._outbox = outbox
         self.on_segment = on_segment
         self.tracer = tracer  # OpenTelemetry tracer of the shipping loop (None: not traced)
         self.totals: dict[str, int] = {}
         self._observed: set[str] = set()  # segments already shown to on_segment
-        self._journaled: set[str] | None = set()  # what the journal on disk says (None: rewrite it)
-        self.in_doubt: set[str] = self._load_journal()
+        self.in_doubt: set[str] = self._journal.load(self._all_segments)
         self._last_budget_check = -1e18
         # the budget may be held from another thread while a pass runs (Agent's budget loop):
         # it never evicts what the pass holds in memory
@@ -235,11 +158,10 @@ class Shipper:
         self.spool_bytes = 0  # measured by the last budget check (and zeroed when a pass drains the spool)
         self.spool_segments = 0
         self.spool_oldest: float | None = None  # mtime of the oldest file waiting
-        self._writes = 0
         self.failures = 0  # consecutive passes the store failed (the agent backs off on it)
         self._failing_since: float | None = None
         self._last_warn = -1e18
-        self._fault = _parse_fault(os.environ.get(FAULT_ENV, ""))
+        self._fault = FaultDrill.from_env()  # RANKLENS_COLLECTOR_FAULT, read once, here
 
     # --- the spool ----------------------------------------------------------------------
 
@@ -257,6 +179,14 @@ class Shipper:
         """Segments waiting to be shipped, oldest first (at most ``max_segments``)."""
         out = [p for p in self._walk() if p.name.endswith(".jsonl")]
         return sorted(out, key=lambda p: p.name.rsplit(".", 2)[-2])[: self.max_segments]
+
+    def _all_segments(self) -> set[str]:
+        return {self._rel(p) for p in self._walk()}
+
+    @property
+    def journal_path(self) -> Path:
+        """The spool's delivery journal."""
+        return self._journal.path
 
     def _rel(self, path: Path) -> str:
         return path.relative_to(self.spool_dir).as_posix()
@@ -288,54 +218,19 @@ class Shipper:
 
     # --- the journal ----------------------------------------------------------------------
 
-    def _load_journal(self, *, quiet: bool = False) -> set[str]:
-        """What the spool's journal says is in doubt (and what journals of older releases say)."""
-        doubt: set[str] = set()
-        readable = True
-        for path in (self.journal_path, *self._legacy_journals):
-            got = self._read_journal(path)
-            readable &= got is not None
-            doubt |= got if got is not None else {self._rel(p) for p in self._walk()}
-        # the journal lists each pass's segments; those since shipped and deleted are not in doubt
-        doubt = {s for s in doubt if (self.spool_dir / s).exists()}
-        self._journaled = set(doubt) if readable and not self._legacy_present() else None
-        if doubt and not quiet:
-            log.info(
-                "ranklens collector: %d segment(s) in doubt from the last run; the store is asked first", len(doubt)
-            )
-        return doubt
-
-    def _legacy_present(self) -> bool:
-        return any(p.exists() for p in self._legacy_journals if p != self.journal_path)
-
-    def _read_journal(self, path: Path) -> set[str] | None:
-        """The segments a journal names; None when it is unreadable (then everything pending is in
-        doubt: we cannot tell what is)."""
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            return set()
-        except (OSError, ValueError) as e:
-            log.error("ranklens collector: delivery journal %s unreadable (%s); checking every segment", path, e)
-            return None
-        if not isinstance(raw, dict) or raw.get("version") != JOURNAL_VERSION:
-            log.error("ranklens collector: delivery journal %s has an unknown format; checking every segment", path)
-            return None
-        return {str(s) for s in raw.get("in_doubt", [])}
-
     def _reload_journal(self) -> None:
         """Under the spool's lock, at every pass: the journal on disk is the truth. Another shipper
         (a one-off ``ranklens collect``, ``ranklens run``) may have sent segments since our last
         pass and died before deleting them; they are in doubt for us too."""
         ours = self.in_doubt
-        on_disk = self._load_journal(quiet=True)
+        on_disk = self._journal.load(self._all_segments, quiet=True)
         # what we hold in doubt stays so until we deleted it (asking once too often costs a query)
         self.in_doubt = on_disk | {s for s in ours if (self.spool_dir / s).exists()}
-        if self._journaled is None:  # unreadable, or an old release's: write the spool's journal now
+        if self._journal.stale:  # unreadable, or an old release's: write the spool's journal now
             try:
-                self._write_journal(self.in_doubt)
+                self._journal.write(self.in_doubt)
             except OSError as e:
-                log.error("ranklens collector: cannot write the delivery journal %s: %s", self.journal_path, e)
+                log.error("ranklens collector: cannot write the delivery journal %s: %s", self._journal.path, e)
         new = on_disk - ours
         if new:
             log.warning(
@@ -343,23 +238,6 @@ class Shipper:
                 "(killed?); the store is asked before sending them",
                 len(new),
             )
-
-    def _write_journal(self, doubt: set[str]) -> None:
-        """Durably record ``doubt`` before anything of it is sent."""
-        if doubt == self._journaled:
-            return
-        self.journal_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.journal_path.with_name(self.journal_path.name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"version": JOURNAL_VERSION, "host": self.host, "in_doubt": sorted(doubt)}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.journal_path)
-        self._journaled = set(doubt)
-        for old in self._legacy_journals:  # folded in: the spool's journal is the only one now
-            if old != self.journal_path:
-                with contextlib.suppress(OSError):
-                    old.unlink()
 
     def _forget(self, rel: str) -> None:
         self.in_doubt.discard(rel)
@@ -373,7 +251,7 @@ class Shipper:
         One shipper at a time per spool (an flock on ``<spool>/.ranklens-ship.lock``): two would
         send the same segments. When another process holds it, this pass waits up to ``wait_s``
         seconds, then does nothing (``ShipResult.busy``)."""
-        with self._spool_lock(wait_s) as held:
+        with spool_lock(self.spool_dir, wait_s) as held:
             if not held:
                 return ShipResult(busy=True)
             self._in_pass = True
@@ -383,37 +261,6 @@ class Shipper:
                 self._in_pass = False
                 with self._budget_lock:
                     self._inflight.clear()
-
-    @contextlib.contextmanager
-    def _spool_lock(self, wait_s: float) -> Iterator[bool]:
-        import fcntl
-
-        if not self.spool_dir.is_dir():
-            yield True  # nothing to ship, nothing to guard
-            return
-        try:
-            fd = os.open(self.spool_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            log.warning("ranklens collector: cannot open the spool lock (%s); shipping without it", e)
-            yield True
-            return
-        deadline = time.monotonic() + wait_s
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        yield False
-                        return
-                    time.sleep(0.05)
-            try:
-                yield True
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
 
     def _traced_pass(self) -> ShipResult:
         if self.tracer is None:
@@ -439,7 +286,7 @@ class Shipper:
     def _ship_once(self) -> ShipResult:
         result = ShipResult()
         self._reload_journal()
-        segments: list[_Segment] = []
+        segments: list[Segment] = []
         pending = self.pending()
         probing = bool(self.failures) and len(pending) > PROBE_SEGMENTS
         if self.failures:
@@ -463,7 +310,7 @@ class Shipper:
                 if self._quarantine(seg, reason):
                     result.quarantined += 1
                 continue
-            segments.append(_Segment(seg, rel, name, data, ingest_id_of(rel, content)))
+            segments.append(Segment(seg, rel, name, data, ingest_id_of(rel, content)))
             with self._budget_lock:
                 self._inflight.add(rel)
             if self.on_segment is not None and rel not in self._observed:  # once, not per retry
@@ -475,7 +322,7 @@ class Shipper:
         if segments:
             self._ship_segments(segments, result)
         if result.ok:
-            self._ship_traces(result)
+            ship_traces(self, result)
         # the budget after the pass: a store that took the rows has emptied the spool; eviction is
         # only for a pass that could not ship (issue 22 #2)
         with self._budget_lock:
@@ -500,7 +347,7 @@ class Shipper:
             self._enforce_budget(result, evict=self.failures > 0, concurrent=True)
             self._record_result_drops(result)
             return result
-        with self._spool_lock(0.0) as held:
+        with spool_lock(self.spool_dir, 0.0) as held:
             if not held:
                 return ShipResult(busy=True)
             result = ShipResult()
@@ -508,24 +355,24 @@ class Shipper:
             self._record_result_drops(result)
             return result
 
-    def _ship_segments(self, segments: list[_Segment], result: ShipResult) -> None:
+    def _ship_segments(self, segments: list[Segment], result: ShipResult) -> None:
         try:
-            self._write_journal(self.in_doubt | {s.rel for s in segments})
+            self._journal.write(self.in_doubt | {s.rel for s in segments})
         except OSError as e:
             result.error = f"cannot write the delivery journal {self.journal_path}: {e}"
             log.error("ranklens collector: %s; nothing sent", result.error)
             return
         doubtful = [s for s in segments if s.rel in self.in_doubt]
         self.in_doubt |= {s.rel for s in segments}
-        done: list[_Segment] = []
+        done: list[Segment] = []
         todo = segments
         try:
             if doubtful:
                 with self._span("ranklens.settle", segments=len(doubtful)):
-                    settled = self._settle(doubtful, result)
+                    settled = settle(self.store, doubtful, result)
                 done.extend(settled)
                 todo = [s for s in segments if s not in settled]
-            for batch, segs in _blocks(todo):
+            for batch, segs in blocks(todo):
                 with self._span(
                     "ranklens.store_write", tables=sorted(batch), rows=sum(t.num_rows for t in batch.values())
                 ):
@@ -547,7 +394,7 @@ class Shipper:
             self._forget(s.rel)
         result.segments += len(done)
 
-    def _isolate(self, segments: list[_Segment], first: Exception, result: ShipResult) -> list[_Segment]:
+    def _isolate(self, segments: list[Segment], first: Exception, result: ShipResult) -> list[Segment]:
         """A block failed for a reason other than the store being down: send its segments one by
         one (each in doubt: asked about first, so nothing is sent twice). A segment that fails on
         its own with a Python error (converting its rows), or that the store refuses while it
@@ -560,15 +407,15 @@ class Shipper:
             type(first).__name__,
             first,
         )
-        stored: list[_Segment] = []
+        stored: list[Segment] = []
         written: set[str] = set()  # tables the store took a segment of, alone
-        refused: list[tuple[_Segment, Exception]] = []
+        refused: list[tuple[Segment, Exception]] = []
         for s in segments:
             try:
-                if self._settle([s], result):
+                if settle(self.store, [s], result):
                     stored.append(s)
                     continue
-                ((batch, _),) = list(_blocks([s]))
+                ((batch, _),) = list(blocks([s]))
                 self._count(result, self.store.write_many(batch))
                 stored.append(s)
                 written.add(s.table)
@@ -590,62 +437,12 @@ class Shipper:
             self._store_failed(kept[0], len(kept))
         return stored
 
-    def _settle(self, doubtful: list[_Segment], result: ShipResult) -> list[_Segment]:
-        """Ask the store which segments in doubt it already has. Returns those it has in full
-        (to delete without sending); discards the rows of those it has in part."""
-        settled: list[_Segment] = []
-        by_table: dict[str, list[_Segment]] = {}
-        for s in doubtful:
-            by_table.setdefault(s.table, []).append(s)
-        for table_name, segs in by_table.items():
-            present = self._present(table_name, [s.ingest_id for s in segs], _job_ids(segs))
-            partial = []
-            for s in segs:
-                n = present.get(s.ingest_id, 0)
-                if n >= s.rows:
-                    settled.append(s)
-                    result.already_stored += 1
-                elif n:
-                    partial.append(s)
-            if partial:
-                discard = getattr(self.store, "discard_ingest", None)
-                if discard is None:
-                    raise StoreError(f"{table_name}: the store holds part of a segment and cannot discard it")
-                log.warning(
-                    "ranklens collector: %s: the store holds part of %d segment(s); discarding and sending again",
-                    table_name,
-                    len(partial),
-                )
-                discard(table_name, [s.ingest_id for s in partial])
-                result.partial += len(partial)
-        if settled:
-            log.info("ranklens collector: %d segment(s) in doubt were already stored; not sent again", len(settled))
-        return settled
-
-    def _present(self, table_name: str, ids: Sequence[int], job_ids: Sequence[str]) -> dict[int, int]:
-        from ranklens.store.api import sql_string
-
-        found: dict[int, int] = {}
-        t = TABLES[table_name]
-        for i in range(0, len(ids), 1000):
-            chunk = ids[i : i + 1000]
-            where = f"{INGEST_ID} IN ({', '.join(str(int(x)) for x in chunk)})"
-            if job_ids and t.order_by[0] == "job_id":  # narrows the scan to the job's rows
-                where = f"job_id IN ({', '.join(sql_string(j) for j in job_ids)}) AND {where}"
-            res = self.store.query(
-                f"SELECT {INGEST_ID} AS id, count() AS n FROM {table_name} WHERE {where} GROUP BY id"
-            )
-            for id_, n in res.rows():
-                found[int(id_)] = int(n)
-        return found
-
     def _count(self, result: ShipResult, written: dict[str, int]) -> None:
         """A store write succeeded: count its rows (then the fault drill may strike)."""
         for k, v in written.items():
             result.rows[k] = result.rows.get(k, 0) + v
             self.totals[k] = self.totals.get(k, 0) + v
-        self._writes += 1
-        self._maybe_fault()
+        self._fault.wrote()
 
     def _store_failed(self, e: Exception, kept: int) -> None:
         """Log a store failure: at once, then at most once a minute while it lasts."""
@@ -672,11 +469,6 @@ class Shipper:
             )
         self._failing_since, self.failures, self._last_warn = None, 0, -1e18
 
-    def _maybe_fault(self) -> None:
-        if self._fault and self._writes >= self._fault:
-            log.error("ranklens collector: %s: killing this process after store write %d", FAULT_ENV, self._writes)
-            os.kill(os.getpid(), signal.SIGKILL)
-
     def _drop_row(self, what: str, n: int) -> dict[str, Any]:
         return {"ts_ns": time.time_ns(), "host": self.host, "component": "collector", "what": what, "count": n}
 
@@ -692,68 +484,6 @@ class Shipper:
             self._outbox.write("drops", rows)
         except OSError as e:
             log.error("ranklens collector: cannot record drop counts %s: %s", rows, e)
-
-    # --- profiler traces ---------------------------------------------------------------------
-
-    def _ship_traces(self, result: ShipResult) -> None:
-        """Profiler windows (``<spool>/<job>/<attempt>/kineto/*.pt.trace.json``) into ``trace_events``,
-        one ``ingest_id`` per batch of a trace, with the same journal as the segments."""
-        from ranklens.formats.kineto import iter_kineto_batches
-
-        if not self.spool_dir.is_dir():
-            return
-        for trace in sorted(self.spool_dir.glob("*/*/kineto/*.pt.trace.json")):
-            job, attempt = trace.parent.parent.parent.name, trace.parent.parent.name
-            rel = self._rel(trace)
-            try:
-                with open(trace, "rb") as f:
-                    base = ingest_id_of(rel, iter(lambda: f.read(1 << 20), b""))
-                for _ in iter_kineto_batches(trace, job_id=job, attempt=int(attempt)):
-                    pass  # validate all of it before writing any of it
-            except FileNotFoundError:
-                self._forget(rel)
-                continue
-            except OSError as e:
-                log.error("ranklens collector: cannot read %s (%s); it stays for the next pass", trace, e)
-                continue
-            except Exception as e:  # any failure of this one trace: aside (issue 22 #1)
-                if self._quarantine(trace, str(e) if isinstance(e, IngestError) else f"{type(e).__name__}: {e}"):
-                    result.quarantined += 1
-                continue
-            try:
-                skip: set[int] = set()
-                if rel in self.in_doubt:
-                    skip = self._settle_trace(trace, job, int(attempt), base)
-                self._write_journal(self.in_doubt | {rel})
-                self.in_doubt.add(rel)
-                for i, batch in enumerate(iter_kineto_batches(trace, job_id=job, attempt=int(attempt))):
-                    bid = _batch_id(base, i)
-                    if bid in skip:
-                        continue
-                    self._count(result, self.store.write_many({TRACE_TABLE: _stamp(batch, bid)}))
-            except (StoreError, OSError) as e:
-                result.error = str(e)
-                self._store_failed(e, 1)
-                return
-            trace.unlink(missing_ok=True)
-            self._forget(rel)
-            result.segments += 1
-
-    def _settle_trace(self, trace: Path, job: str, attempt: int, base: int) -> set[int]:
-        from ranklens.formats.kineto import iter_kineto_batches
-
-        sizes = {
-            _batch_id(base, i): b.num_rows
-            for i, b in enumerate(iter_kineto_batches(trace, job_id=job, attempt=attempt))
-        }
-        present = self._present(TRACE_TABLE, list(sizes), [job])
-        partial = [i for i, n in present.items() if 0 < n < sizes.get(i, 0)]
-        if partial:
-            discard = getattr(self.store, "discard_ingest", None)
-            if discard is None:
-                raise StoreError(f"{TRACE_TABLE}: the store holds part of a batch and cannot discard it")
-            discard(TRACE_TABLE, partial)
-        return {i for i, n in present.items() if n >= sizes.get(i, 0)}
 
     # --- the disk budget -----------------------------------------------------------------------
 
@@ -771,48 +501,20 @@ class Shipper:
         if b is None or (not force and time.monotonic() - self._last_budget_check < b.check_interval_s):
             return
         self._last_budget_check = time.monotonic()
-        files: list[tuple[int, float, int, Path]] = []  # (value class, mtime, size, path)
-        total = 0
-        for p in self._walk():
-            try:
-                st = p.stat()
-            except OSError:
-                continue
-            files.append((_value_class(p.name), st.st_mtime, st.st_size, p))
-            total += st.st_size
-        self.spool_bytes, self.spool_segments = total, len(files)
-        self.spool_oldest = min((f[1] for f in files), default=None)
-        free = self._free_bytes(self.spool_dir)
-        over = max(total - b.max_bytes if b.max_bytes else 0, b.min_free_bytes - free if b.min_free_bytes else 0)
-        if over <= 0 or not evict:
+        usage = _budget.measure(self._walk(), self._free_bytes(self.spool_dir))
+        self.spool_bytes, self.spool_segments = usage.total_bytes, len(usage.files)
+        self.spool_oldest = usage.oldest
+        if not evict:
             return
-        target = over + (b.max_bytes // 10 if b.max_bytes else 0)  # hysteresis: a tenth below the limit
-        freed = 0
-        for _cls, _mtime, size, p in sorted(files, key=lambda f: (f[0], f[1], f[3].name)):
-            if freed >= target:
-                break
-            rel = self._rel(p)
-            if rel in self._inflight:
-                continue  # the running pass holds it
-            table_name, rows = _table_and_rows(p)
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                continue
+
+        def removed(p: Path) -> None:
             if not concurrent:  # (the pass's own bookkeeping drops names of files that are gone)
-                self._forget(rel)
-            freed += size
+                self._forget(self._rel(p))
+
+        freed, evicted = _budget.evict(b, usage, skip=lambda p: self._rel(p) in self._inflight, removed=removed)
+        for table_name, rows in evicted.items():
             result.evicted[table_name] = result.evicted.get(table_name, 0) + rows
         self.spool_bytes -= freed
-        log.error(
-            "ranklens collector: store unavailable and the spool over its budget (%s, limit %s, %s free): "
-            "removed %s, oldest low-value data first: %s",
-            _human(total),
-            _human(b.max_bytes) if b.max_bytes else "none",
-            _human(free),
-            _human(freed),
-            ", ".join(f"{n} {t} rows" for t, n in sorted(result.evicted.items())),
-        )
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -847,122 +549,3 @@ class Shipper:
             if stopping:
                 return
             time.sleep(interval_s)
-
-
-def _parse_fault(spec: str) -> int:
-    """``RANKLENS_COLLECTOR_FAULT=kill_after_write:N``: SIGKILL this process right after the N-th
-    store write, before the segments are deleted (fault drills and the exactly-once tests)."""
-    if not spec:
-        return 0
-    m = re.fullmatch(r"kill_after_write(?::(\d+))?", spec.strip())
-    if not m:
-        raise ConfigError(f"{FAULT_ENV}={spec!r}: allowed kill_after_write[:N]")
-    return int(m.group(1) or 1)
-
-
-def _blocks(segments: list[_Segment]) -> Iterator[tuple[dict[str, Any], list[_Segment]]]:
-    """Batches for ``write_many`` and the segments in each: per table at most MAX_BLOCK_ROWS rows,
-    never splitting a segment."""
-    import pyarrow as pa
-
-    by_table: dict[str, list[_Segment]] = {}
-    for s in segments:
-        by_table.setdefault(s.table, []).append(s)
-    rounds: list[dict[str, list[_Segment]]] = []
-    for name, segs in by_table.items():
-        k, rows = 0, 0
-        for seg in segs:
-            if rows and rows + seg.rows > MAX_BLOCK_ROWS:
-                k, rows = k + 1, 0
-            while len(rounds) <= k:
-                rounds.append({})
-            rounds[k].setdefault(name, []).append(seg)
-            rows += seg.rows
-    for r in rounds:
-        batch = {name: pa.concat_tables([_stamp(s.data, s.ingest_id) for s in segs]) for name, segs in r.items()}
-        yield batch, [s for segs in r.values() for s in segs]
-
-
-def _stamp(data: Any, ingest_id: int) -> Any:
-    import pyarrow as pa
-
-    col = pa.array([ingest_id] * data.num_rows, type=pa.uint64())
-    if INGEST_ID in data.column_names:
-        return data.set_column(data.column_names.index(INGEST_ID), INGEST_ID, col)
-    return data.append_column(INGEST_ID, col)
-
-
-def _batch_id(base: int, i: int) -> int:
-    return ingest_id_of(str(base), i.to_bytes(8, "little"))
-
-
-def _job_ids(segs: list[_Segment]) -> list[str]:
-    out: set[str] = set()
-    for s in segs:
-        if "job_id" in s.data.column_names:
-            out.update(str(j) for j in s.data.column("job_id").unique().to_pylist())
-    return sorted(out)
-
-
-def _value_class(name: str) -> int:
-    table_name = TRACE_TABLE if name.endswith(".pt.trace.json") else name.split(".", 1)[0]
-    for i, tables in enumerate(EVICTION_ORDER):
-        if table_name in tables:
-            return i
-    return len(EVICTION_ORDER)
-
-
-def _table_and_rows(p: Path) -> tuple[str, int]:
-    """The table of a spool file and how many rows it holds (a profiler trace counts as one)."""
-    if p.name.endswith(".pt.trace.json"):
-        return TRACE_TABLE + "_traces", 1
-    try:
-        with open(p, "rb") as f:
-            lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
-    except OSError:
-        lines = 0
-    return p.name.split(".", 1)[0], max(0, lines - 1)  # the header line is not a row
-
-
-def _free_bytes(path: Path) -> int:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return 1 << 62
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n:.1f} TiB"
-
-
-@contextlib.contextmanager
-def hold_collector_lock(spool_dir: str | os.PathLike[str]) -> Iterator[bool]:
-    """Hold ``<spool>/.collector.lock`` (the node agent, for as long as it runs): ``ranklens run``
-    starts its own shipper only when it can take this lock, so it does not ship next to a running
-    collector. Yields False when another process holds it (the agent runs anyway: the spool's
-    ship lock and journal keep two shippers from sending anything twice)."""
-    import fcntl
-
-    try:
-        Path(spool_dir).mkdir(parents=True, exist_ok=True)
-        fd = os.open(Path(spool_dir) / COLLECTOR_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        log.warning("ranklens collector: cannot open %s (%s)", Path(spool_dir) / COLLECTOR_LOCK, e)
-        yield False
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)

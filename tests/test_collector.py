@@ -108,14 +108,14 @@ def test_restart_after_a_crash_between_store_and_delete(tmp_path, store):
 
 
 def test_partly_stored_segment_is_discarded_and_sent_again(tmp_path, store):
-    from ranklens.collector.shipper import _stamp, ingest_id_of
+    from ranklens.collector.settle import ingest_id_of, stamp
     from ranklens.ingest import read_jsonl
 
     spool = tmp_path / "spool"
     seg = SpoolWriter.for_rank(spool, "j", 0, 0).write("collectives", _rows(6))
     rel = seg.relative_to(spool).as_posix()
     _, data = read_jsonl(seg)
-    store.write("collectives", _stamp(data.slice(0, 4), ingest_id_of(rel, seg.read_bytes())))  # a half block
+    store.write("collectives", stamp(data.slice(0, 4), ingest_id_of(rel, seg.read_bytes())))  # a half block
     sh = Shipper(spool, store)
     sh.in_doubt.add(rel)
     r = sh.ship_once()
@@ -136,9 +136,9 @@ def test_segments_not_in_doubt_are_sent_without_asking(tmp_path, embedded_store)
 
 
 def test_big_passes_are_split_at_segment_boundaries(tmp_path, embedded_store, monkeypatch):
-    import ranklens.collector.shipper as shipper
+    import ranklens.collector.settle as settle
 
-    monkeypatch.setattr(shipper, "MAX_BLOCK_ROWS", 5)
+    monkeypatch.setattr(settle, "MAX_BLOCK_ROWS", 5)
     w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
     for k in range(4):
         w.write("collectives", _rows(3, start=10 * k))

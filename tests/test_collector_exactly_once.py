@@ -337,7 +337,7 @@ def test_partly_stored_segment_on_a_distributed_table(tmp_path, server_db_url):
     table on every shard, then sent again (here a one-shard cluster of the test server,
     `ranklens_self` in scripts/clickhouse.sh)."""
     from ranklens.collector import Shipper
-    from ranklens.collector.shipper import _stamp, ingest_id_of
+    from ranklens.collector.settle import ingest_id_of, stamp
     from ranklens.ingest import read_jsonl
     from ranklens.store import open_store
 
@@ -358,7 +358,7 @@ def test_partly_stored_segment_on_a_distributed_table(tmp_path, server_db_url):
     seg = SpoolWriter.for_rank(spool, "d", 0, 0).write("collectives", rows)
     rel = seg.relative_to(spool).as_posix()
     _, data = read_jsonl(seg)
-    store.write("collectives", _stamp(data.slice(0, 4), ingest_id_of(rel, seg.read_bytes())))  # half a batch
+    store.write("collectives", stamp(data.slice(0, 4), ingest_id_of(rel, seg.read_bytes())))  # half a batch
     assert store.query(f"SELECT count() FROM {db}.collectives_local").scalar() == 4  # synchronous insert
     sh = Shipper(spool, store)
     sh.in_doubt.add(rel)

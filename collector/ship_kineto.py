@@ -1,0 +1,85 @@
+"""Profiler windows into the store: ``<spool>/<job>/<attempt>/kineto/*.pt.trace.json`` →
+``trace_events``, each row exactly once.
+
+A trace is validated in full before any of it is written (a trace that cannot be parsed is
+quarantined like a bad segment, issue 22 #1), then written batch by batch, each batch stamped with
+its own ``ingest_id`` (:func:`~ranklens.collector.settle.batch_id` of the trace's id), under the
+same journal as the segments: a trace in doubt is settled batch by batch before it is sent again.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ranklens.collector.budget import TRACE_TABLE
+from ranklens.collector.settle import batch_id, discarder, ingest_id_of, present, stamp
+from ranklens.errors import IngestError, StoreError
+from ranklens.store.api import Store
+
+if TYPE_CHECKING:
+    from ranklens.collector.shipper import Shipper, ShipResult
+
+__all__ = ["settle_trace", "ship_traces"]
+
+log = logging.getLogger("ranklens.collector")
+
+
+def ship_traces(sh: Shipper, result: ShipResult) -> None:
+    """Ship every profiler trace of ``sh``'s spool (under its spool lock, after its segments)."""
+    from ranklens.formats.kineto import iter_kineto_batches
+
+    if not sh.spool_dir.is_dir():
+        return
+    for trace in sorted(sh.spool_dir.glob("*/*/kineto/*.pt.trace.json")):
+        job, attempt = trace.parent.parent.parent.name, trace.parent.parent.name
+        rel = sh._rel(trace)
+        try:
+            with open(trace, "rb") as f:
+                base = ingest_id_of(rel, iter(lambda: f.read(1 << 20), b""))
+            for _ in iter_kineto_batches(trace, job_id=job, attempt=int(attempt)):
+                pass  # validate all of it before writing any of it
+        except FileNotFoundError:
+            sh._forget(rel)
+            continue
+        except OSError as e:
+            log.error("ranklens collector: cannot read %s (%s); it stays for the next pass", trace, e)
+            continue
+        except Exception as e:  # any failure of this one trace: aside (issue 22 #1)
+            if sh._quarantine(trace, str(e) if isinstance(e, IngestError) else f"{type(e).__name__}: {e}"):
+                result.quarantined += 1
+            continue
+        try:
+            skip: set[int] = set()
+            if rel in sh.in_doubt:
+                skip = settle_trace(sh.store, trace, job, int(attempt), base)
+            sh._journal.write(sh.in_doubt | {rel})
+            sh.in_doubt.add(rel)
+            for i, batch in enumerate(iter_kineto_batches(trace, job_id=job, attempt=int(attempt))):
+                bid = batch_id(base, i)
+                if bid in skip:
+                    continue
+                sh._count(result, sh.store.write_many({TRACE_TABLE: stamp(batch, bid)}))
+        except (StoreError, OSError) as e:
+            result.error = str(e)
+            sh._store_failed(e, 1)
+            return
+        trace.unlink(missing_ok=True)
+        sh._forget(rel)
+        result.segments += 1
+
+
+def settle_trace(store: Store, trace: Path, job: str, attempt: int, base: int) -> set[int]:
+    """The batch ids of a trace in doubt that the store holds in full (not to send again); the rows
+    of batches it holds in part are discarded."""
+    from ranklens.formats.kineto import iter_kineto_batches
+
+    sizes = {
+        batch_id(base, i): b.num_rows for i, b in enumerate(iter_kineto_batches(trace, job_id=job, attempt=attempt))
+    }
+    found = present(store, TRACE_TABLE, list(sizes), [job])
+    partial = [i for i, n in found.items() if 0 < n < sizes.get(i, 0)]
+    if partial:
+        discarder(store, TRACE_TABLE, "a batch")(TRACE_TABLE, partial)
+    return {i for i, n in found.items() if n >= sizes.get(i, 0)}
