@@ -53,7 +53,7 @@ from ranklens.collector.ship_kineto import ship_traces
 from ranklens.config import node_name
 from ranklens.errors import IngestError, StoreError, StoreUnavailable
 from ranklens.formats.spool import COLLECTOR_DIR, safe_part
-from ranklens.ingest import read_jsonl
+from ranklens.formats.rows import read_jsonl
 from ranklens.store.api import Store
 
 __all__ = [

@@ -1,10 +1,6 @@
-"""The open ingest format: JSON Lines or Parquet files of ranklens records, one table per file.
-
-JSON Lines: an optional header line ``{"ranklens": "records", "version": 1, "table": "<table>"}``,
-then one JSON object per line whose keys are the table's columns (docs/ingest-format.md).
-Parquet: columns named like the table's columns. The table comes from (in order) the caller's
-``table`` argument, the JSONL header / Parquet metadata key ``ranklens.table``, or the file name's
-first word (``collectives.jsonl``, ``steps-rank3.parquet``).
+"""``ranklens ingest``: files of the open ingest format into the store. The format and its readers
+(JSON Lines, Parquet: ``read_file``, ``read_jsonl``, ``read_parquet``) are the ground floor's,
+:mod:`ranklens.formats.rows`.
 
 Everything is read and validated before anything is written: a malformed file raises
 :class:`IngestError` naming the file, line/row and field, and the store is untouched.
@@ -18,207 +14,18 @@ interrupted ingest, is discarded and written again), however it was renamed or m
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ranklens.errors import IngestError
-from ranklens.formats.spool import SPOOL_FORMAT, SPOOL_VERSION  # one format: spool segments are ingestable
-from ranklens.records import arrow_schema, check_value, to_arrow
-from ranklens.schema import TABLES
+from ranklens.formats.rows import read_file
 from ranklens.store.api import Store
 from ranklens.store.once import stamp, stored_ingest_rows
 
-__all__ = ["FORMATS", "file_ingest_id", "ingest_paths", "read_file", "read_jsonl", "read_parquet"]
+__all__ = ["FORMATS", "expand", "file_ingest_id", "ingest_paths"]
 
 FORMATS = ("jsonl", "parquet", "flight-recorder", "kineto")
-
-
-def _table_from_name(path: Path) -> str | None:
-    word = re.split(r"[.\-]", path.name, maxsplit=1)[0]
-    return word if word in TABLES else None
-
-
-def _resolve_table(path: Path, explicit: str | None, declared: str | None) -> str:
-    for candidate, source in (
-        (explicit, "--table"),
-        (declared, "the file's header"),
-        (_table_from_name(path), "the file name"),
-    ):
-        if candidate:
-            if candidate not in TABLES:
-                raise IngestError(
-                    str(path), "", f"unknown table {candidate!r} from {source}; tables: {', '.join(TABLES)}"
-                )
-            return candidate
-    raise IngestError(
-        str(path),
-        "",
-        "cannot tell which table the records belong to: add a header line "
-        '{"ranklens": "records", "version": 1, "table": "..."}, name the file <table>.jsonl, or pass --table',
-    )
-
-
-def _read_jsonl_fast(path: Path, table: str | None, content: bytes | None = None) -> tuple[str, Any] | None:
-    """Arrow's JSON reader for files with a ranklens header (the tracer's spool segments): about
-    ten times faster than validating value by value. Returns None whenever anything is unusual
-    (no header, a type or range problem, a missing required field): the strict reader then says
-    exactly what and where."""
-    import io
-
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.json as pj
-
-    try:
-        data = path.read_bytes() if content is None else content
-        nl = data.find(b"\n")
-        if nl < 0:
-            return None
-        head = json.loads(data[:nl])
-        if not (
-            isinstance(head, dict) and head.get("ranklens") == SPOOL_FORMAT and head.get("version") == SPOOL_VERSION
-        ):
-            return None
-        name = table or head.get("table")
-        if name not in TABLES or not data[nl + 1 :].strip():
-            return None
-        target = arrow_schema(name)
-        loose = pa.schema([pa.field(f.name, f.type, nullable=True) for f in target])
-        opts = pj.ParseOptions(explicit_schema=loose, unexpected_field_behavior="error")
-        # small segments (most of a live spool): Arrow's thread pool costs more than it saves
-        threads = pj.ReadOptions(use_threads=len(data) > 1 << 20)
-        got = pj.read_json(io.BytesIO(data[nl + 1 :]), read_options=threads, parse_options=opts)
-    except Exception:
-        return None
-    columns = []
-    for c, field in zip(TABLES[name].columns, target):
-        col = got.column(c.name)
-        if "String" in c.type:  # Arrow's JSON reader does not check UTF-8 (issue 22 #5): the strict reader says where
-            try:
-                col.validate(full=True)
-            except pa.ArrowInvalid:
-                return None
-        if col.null_count:
-            if c.required:
-                return None
-            default = c.default_value()
-            col = pc.fill_null(col, pa.scalar(default, type=field.type))
-        columns.append(col)
-    return name, pa.Table.from_arrays(columns, schema=target)
-
-
-def read_jsonl(path: str | Path, table: str | None = None, *, content: bytes | None = None) -> tuple[str, Any]:
-    """Read and validate a JSON Lines file; return (table name, Arrow table). ``content``: the
-    file's bytes when the caller has read them already."""
-    path = Path(path)
-    fast = _read_jsonl_fast(path, table, content)
-    if fast is not None:
-        return fast
-    return _read_jsonl_strict(path, table)
-
-
-def _read_jsonl_strict(path: Path, table: str | None) -> tuple[str, Any]:
-    """Value-by-value validation, with the line and field of the first problem."""
-    declared: str | None = None
-    rows: list[dict[str, Any]] = []
-    line_nos: list[int] = []
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise IngestError(str(path), "", f"cannot open: {e.strerror}") from None
-    with f:
-        try:
-            for no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise IngestError(
-                        str(path), f"line {no}", f"not valid JSON ({e.msg} at column {e.colno})"
-                    ) from None
-                if not isinstance(obj, dict):
-                    raise IngestError(str(path), f"line {no}", f"expected a JSON object, got {type(obj).__name__}")
-                if "ranklens" in obj and not rows and declared is None:
-                    if obj.get("ranklens") != SPOOL_FORMAT or obj.get("version") != SPOOL_VERSION:
-                        raise IngestError(
-                            str(path),
-                            f"line {no}",
-                            f"unsupported header {obj!r}; this ranklens reads version {SPOOL_VERSION}",
-                        )
-                    declared = obj.get("table")
-                    continue
-                rows.append(obj)
-                line_nos.append(no)
-        except UnicodeDecodeError as e:
-            raise IngestError(str(path), f"byte {e.start}", "not UTF-8 text") from None
-    name = _resolve_table(path, table, declared)
-    t = TABLES[name]
-    for obj, no in zip(rows, line_nos):
-        for key, value in obj.items():
-            if not t.has_column(key):
-                raise IngestError(str(path), f"line {no}", f"field {key!r} is not a column of {name}")
-            try:
-                obj[key] = check_value(t.column(key), value)
-            except (TypeError, ValueError) as e:
-                raise IngestError(str(path), f"line {no}", f"field {key!r}: {e}") from None
-        for c in t.columns:
-            if c.required and c.name not in obj:
-                raise IngestError(str(path), f"line {no}", f"required field {c.name!r} is missing")
-    return name, to_arrow(name, rows, validate=False)
-
-
-def read_parquet(path: str | Path, table: str | None = None) -> tuple[str, Any]:
-    """Read and validate a Parquet file; return (table name, Arrow table)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    path = Path(path)
-    try:
-        data = pq.read_table(path)
-    except (OSError, pa.ArrowException) as e:
-        raise IngestError(str(path), "", f"not a readable Parquet file: {e}") from None
-    meta = data.schema.metadata or {}
-    declared = meta.get(b"ranklens.table", b"").decode() or None
-    name = _resolve_table(path, table, declared)
-    t = TABLES[name]
-    target = arrow_schema(name)
-    extra = [c for c in data.column_names if not t.has_column(c)]
-    if extra:
-        raise IngestError(str(path), "", f"column(s) {extra} are not columns of {name}")
-    arrays = []
-    for c, field in zip(t.columns, target):
-        if c.name not in data.column_names:
-            if c.required:
-                raise IngestError(str(path), "", f"required column {c.name!r} is missing")
-            arrays.append(pa.array([c.default_value()] * data.num_rows, type=field.type))
-            continue
-        col = data.column(c.name)
-        if col.null_count:
-            first = pc.index(pc.is_null(col), True).as_py()
-            raise IngestError(str(path), f"row {first}", f"column {c.name!r} is null (use the default instead)")
-        try:
-            arrays.append(col.cast(field.type, safe=True))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            raise IngestError(
-                str(path), "", f"column {c.name!r} ({col.type}) cannot be read as {c.type}: {e}"
-            ) from None
-    return name, pa.Table.from_arrays(arrays, schema=target)
-
-
-def read_file(path: str | Path, fmt: str | None = None, table: str | None = None) -> tuple[str, Any]:
-    """Read one file of the open format; ``fmt`` defaults to the file's extension."""
-    path = Path(path)
-    fmt = fmt or ("parquet" if path.suffix in (".parquet", ".pq") else "jsonl")
-    if fmt == "jsonl":
-        return read_jsonl(path, table)
-    if fmt == "parquet":
-        return read_parquet(path, table)
-    raise IngestError(str(path), "", f"format {fmt!r} is not readable by read_file")
 
 
 def expand(paths: Sequence[str | Path]) -> list[Path]:

@@ -109,7 +109,7 @@ def test_restart_after_a_crash_between_store_and_delete(tmp_path, store):
 
 def test_partly_stored_segment_is_discarded_and_sent_again(tmp_path, store):
     from ranklens.collector.settle import ingest_id_of, stamp
-    from ranklens.ingest import read_jsonl
+    from ranklens.formats.rows import read_jsonl
 
     spool = tmp_path / "spool"
     seg = SpoolWriter.for_rank(spool, "j", 0, 0).write("collectives", _rows(6))

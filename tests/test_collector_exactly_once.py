@@ -338,7 +338,7 @@ def test_partly_stored_segment_on_a_distributed_table(tmp_path, server_db_url):
     `ranklens_self` in scripts/clickhouse.sh)."""
     from ranklens.collector import Shipper
     from ranklens.collector.settle import ingest_id_of, stamp
-    from ranklens.ingest import read_jsonl
+    from ranklens.formats.rows import read_jsonl
     from ranklens.store import open_store
 
     store = open_store(server_db_url)

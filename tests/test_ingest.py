@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ranklens.errors import IngestError
-from ranklens.ingest import ingest_paths, read_jsonl, read_parquet
+from ranklens.formats.rows import read_jsonl, read_parquet
+from ranklens.ingest import ingest_paths
 
 HEADER = {"ranklens": "records", "version": 1, "table": "collectives"}
 ROW = {"job_id": "j", "rank": 0, "pg": "0", "seq": 1, "op": "all_reduce", "enter_ns": 100}
@@ -141,7 +142,7 @@ def test_parquet_errors(tmp_path):
     ],
 )
 def test_fast_and_strict_readers_agree(tmp_path, table, rows):
-    from ranklens.ingest import _read_jsonl_fast, _read_jsonl_strict
+    from ranklens.formats.rows import _read_jsonl_fast, _read_jsonl_strict
 
     p = _jsonl(tmp_path / "seg.jsonl", {"ranklens": "records", "version": 1, "table": table}, *rows)
     fast = _read_jsonl_fast(p, None)

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from ranklens.collector.liveness import EXITED_GONE, LivenessWatcher
 from ranklens.collector.outbox import Outbox
-from ranklens.ingest import read_jsonl
+from ranklens.formats.rows import read_jsonl
 from ranklens.records import to_arrow
 
 T0 = time.time_ns()

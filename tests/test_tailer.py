@@ -12,7 +12,7 @@ import pytest
 from ranklens.collector.outbox import Outbox
 from ranklens.collector.tailer import LogSource, Tailer
 from ranklens.errors import ConfigError
-from ranklens.ingest import read_jsonl
+from ranklens.formats.rows import read_jsonl
 
 ERR = "RuntimeError: CUDA error: an illegal memory access was encountered"
 OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
