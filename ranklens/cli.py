@@ -342,7 +342,8 @@ def analyze(
                 metrics_addr=metrics_addr,
             )
             return
-        findings = analyze_job(store, job_id, attempt)
+        contention: list[Any] = []  # findings host CPU contention explains: notes, not findings
+        findings = analyze_job(store, job_id, attempt, contention=contention)
         from ranklens.live_service import job_history
 
         # what earlier passes (analyze --follow during the job) found stays visible afterwards
@@ -359,6 +360,7 @@ def analyze(
                 "attempt": attempt,
                 "step_source": coverage.step_source,
                 "coverage": coverage.to_json(),
+                "host_cpu_contention": [c.to_json() for c in contention],
                 "findings": history.to_json(),
             }
             if report is not None:
@@ -367,6 +369,8 @@ def analyze(
             return
         click.echo(f"job {job_id} attempt {attempt}")
         _print_findings(findings, coverage)
+        for c in contention:
+            click.echo(f"\nNote: {c.line()}")
         _print_history(history)
         if report is not None:
             _print_report(report)
@@ -473,102 +477,29 @@ def _analyze_flight_recorder(
     as_json: bool,
     no_save: bool,
 ) -> None:
-    from ranklens.analyzers import save_findings
-    from ranklens.analyzers.hangs import analyze_flight_recorder, steps_from_store
-    from ranklens.collector.flight_recorder import infer_job_id, job_from_path, read_dumps
-    from ranklens.formats.flight_recorder import infer_world_size
     from ranklens.errors import IngestError
+    from ranklens.fr_report import analyze_dumps
 
-    dumps, unreadable = read_dumps(fr_dir)  # one damaged dump does not hide the others
-    if not dumps:
-        first = unreadable[0] if unreadable else None
-        raise IngestError(first.path if first else fr_dir, "", first.error if first else "no readable dump")
-    # dumps written by ranklens' tracer lie in <spool>/<job>/<attempt>/fr/: that is their job
-    from_path = job_from_path([d.source_path for d in dumps])
-    job_id = job_id or (from_path[0] if from_path else infer_job_id(dumps))
-    if attempt is None:
-        attempt = from_path[1] if from_path and from_path[0] == job_id else 0
-    store = _open(store_url, create=not no_save) if store_url else None  # created to save into, as before
-    step_of = steps_from_store(store, job_id, attempt) if store is not None else None
-    findings = analyze_flight_recorder(
-        dumps, world_size=world_size, job_id=job_id, attempt=attempt, unreadable=unreadable, step_of=step_of
+    report = analyze_dumps(
+        fr_dir,
+        job_id=job_id,
+        attempt=attempt,
+        world_size=world_size,
+        # post-mortem needs no store; one named is created to save into, as before
+        open_store=(lambda: _open(store_url, create=not no_save)) if store_url else None,
+        save=not no_save,
     )
-    known = {u.rank for u in unreadable if u.rank is not None}
-    world, world_source = infer_world_size(dumps, world_size, known_ranks=known)
-    no_dump = sorted(set(range(world)) - {d.rank for d in dumps} - known)
-    # post-mortem needs no store; save only into one named, and only from complete input (exit 6
-    # means nothing was written)
-    if store is not None and not no_save and not unreadable:
-        save_findings(store, findings)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "job_id": job_id,
-                    "attempt": attempt,
-                    "dumps": [d.rank for d in dumps],
-                    "world_size": world,
-                    "world_size_source": world_source,
-                    "missing_dumps": no_dump,
-                    "unreadable_dumps": [{"path": u.path, "rank": u.rank, "error": u.error} for u in unreadable],
-                    "findings": [f.to_json() for f in findings],
-                },
-                default=_json_default,
-            )
-        )
+        click.echo(json.dumps(report.to_json(), default=_json_default))
     else:
-        _print_fr_report(dumps, unreadable, no_dump, world, world_source, job_id, world_size, findings)
-    if unreadable:
+        click.echo(report.to_text())
+    if report.unreadable:
         click.echo(
-            f"ranklens: error: {len(unreadable)} flight-recorder dump(s) could not be read (the others were "
-            "analysed; nothing was saved): " + "; ".join(u.error for u in unreadable),
+            f"ranklens: error: {len(report.unreadable)} flight-recorder dump(s) could not be read (the others "
+            "were analysed; nothing was saved): " + "; ".join(u.error for u in report.unreadable),
             err=True,
         )
         sys.exit(IngestError.exit_code)
-
-
-def _print_fr_report(
-    dumps: list[Any],
-    unreadable: list[Any],
-    no_dump: list[int],
-    world: int,
-    world_source: str,
-    job_id: str,
-    world_size: int | None,
-    findings: list[Any],
-) -> None:
-    from ranklens.analyzers.hangs import group_progress
-
-    def ranks(rs: Any) -> str:
-        return ", ".join(map(str, rs)) or "-"
-
-    click.echo(f"{len(dumps)} flight-recorder dump(s) from ranks {ranks(d.rank for d in dumps)}; job {job_id}")
-    click.echo(f"world size {world} ({world_source}); no dump from ranks: {ranks(no_dump)}")
-    for u in unreadable:
-        click.echo(f"unreadable dump{'' if u.rank is None else f' of rank {u.rank}'}: {u.error}")
-    known = {u.rank for u in unreadable if u.rank is not None}
-    pending = group_progress(dumps, world_size=world_size, known_ranks=known)
-    if pending:
-        click.echo("Pending collectives:")
-    for g in pending:
-        click.echo(
-            f"  {g.pg.desc or g.pg.name} (pg {g.pg.name}, ranks {ranks(g.pg.members)}): {g.op} #{g.seq} "
-            f"{[list(x) for x in g.input_sizes]}: entered {ranks(g.entered)}; in flight {ranks(g.in_flight)}; "
-            f"ended {ranks(g.completed)}; never entered {ranks(g.missing)}; "
-            f"no dump {ranks(r for r in g.no_dump if r not in known)}"
-            + (f"; dump unreadable {ranks(r for r in g.no_dump if r in known)}" if known & set(g.no_dump) else "")
-        )
-    if not findings:
-        click.echo("\nNo findings: every process group is consistent and nothing is pending.")
-        return
-    click.echo(f"\nFindings ({len(findings)}):")
-    for f in findings:
-        step = f" (step {f.first_seen_step})" if f.first_seen_step >= 0 else ""
-        click.echo(f"  [{f.severity.value.upper()}] {f.kind}{step}: {f.title}")
-        action = f.evidence.get("action")
-        if action:
-            click.echo(f"      recommended: {action} ({f.evidence.get('action_reason', '')})")
-        click.echo(f"      confidence {f.confidence:.2f}, id {f.id}")
 
 
 @cli.command(epilog=_EPILOG)
