@@ -1,8 +1,11 @@
 """Shared fixtures: stores on both backends, a real ClickHouse server when there is one.
 
-The server tests use ``$RANKLENS_TEST_CLICKHOUSE`` (default ``clickhouse://default@127.0.0.1:9000``).
-Locally, without a server, they are skipped with the reason; with ``RANKLENS_REQUIRE_SERVER=1``
-(set by ``.ci/run``) a missing server fails them instead, so CI cannot pass without it.
+The server tests use ``$RANKLENS_TEST_CLICKHOUSE`` when it names a server. Otherwise, when Debian's
+clickhouse-server is installed, the first server test starts a throw-away server for the session
+on ports the OS picked free (tests/_clickhouse.py; ready once it answers a query), stopped when the
+session ends; without one they try ``clickhouse://default@127.0.0.1:9000``. Locally, without a
+server, they are skipped with the reason; with ``RANKLENS_REQUIRE_SERVER=1`` (set by ``.ci/run``) a
+missing server fails them instead, so CI cannot pass without it.
 """
 
 from __future__ import annotations
@@ -14,12 +17,47 @@ from urllib.parse import urlsplit
 
 import pytest
 
-SERVER_BASE = os.environ.get("RANKLENS_TEST_CLICKHOUSE", "clickhouse://default@127.0.0.1:9000")
+NAMED_SERVER = os.environ.get("RANKLENS_TEST_CLICKHOUSE", "")
+DEFAULT_SERVER = "clickhouse://default@127.0.0.1:9000"
 REQUIRE_SERVER = os.environ.get("RANKLENS_REQUIRE_SERVER", "") == "1"
+_session_server: dict = {}  # the throw-away server this session started: {"server": ..., "error": ...}
 
 
-def _server_up() -> bool:
-    parts = urlsplit(SERVER_BASE)
+def server_base() -> str:
+    """The test server's URL (no database): the named one, else this session's own (started on
+    first use), else the default."""
+    if NAMED_SERVER:
+        return NAMED_SERVER
+    from tests import _clickhouse
+
+    if not _clickhouse.installed():
+        return DEFAULT_SERVER
+    if not _session_server:
+        import tempfile
+        from pathlib import Path
+
+        server = _clickhouse.ClickHouseServer(Path(tempfile.mkdtemp(prefix="ranklens-test-clickhouse-")))
+        _session_server["server"] = server
+        try:
+            server.start()
+        except AssertionError as e:
+            _session_server["error"] = str(e)
+    if "error" in _session_server:
+        raise RuntimeError(f"the session's clickhouse-server did not start: {_session_server['error']}")
+    return _session_server["server"].url()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    server = _session_server.pop("server", None)
+    if server is not None:
+        import shutil
+
+        server.stop()
+        shutil.rmtree(server.dir, ignore_errors=True)
+
+
+def _server_up(base: str) -> bool:
+    parts = urlsplit(base)
     try:
         with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 9000), timeout=1):
             return True
@@ -27,16 +65,22 @@ def _server_up() -> bool:
         return False
 
 
-def _need_server() -> None:
-    if not _server_up():
-        msg = f"no ClickHouse server at {SERVER_BASE} (start one with scripts/clickhouse.sh start)"
+def _need_server() -> str:
+    """The test server's URL; skips the test (fails it under RANKLENS_REQUIRE_SERVER=1) without one."""
+    try:
+        base = server_base()
+        msg = "" if _server_up(base) else f"no ClickHouse server at {base} (start one with scripts/clickhouse.sh start)"
+    except RuntimeError as e:
+        base, msg = "", str(e)
+    if msg:
         if REQUIRE_SERVER:
             pytest.fail(msg + "; RANKLENS_REQUIRE_SERVER=1 makes this a failure")
         pytest.skip(msg)
+    return base
 
 
 def server_url(db: str | None = None) -> str:
-    return f"{SERVER_BASE.rstrip('/')}/{db or 'ranklens_test_' + uuid.uuid4().hex[:10]}"
+    return f"{server_base().rstrip('/')}/{db or 'ranklens_test_' + uuid.uuid4().hex[:10]}"
 
 
 @pytest.fixture

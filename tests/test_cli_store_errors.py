@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REQUIRE_SERVER, SERVER_BASE, _need_server
+from tests._clickhouse import free_port
+from tests._sync import wait_until
+from tests.conftest import REQUIRE_SERVER, _need_server
 from tests.helpers import synthetic_job
 
 RANKLENS = [sys.executable, "-m", "ranklens.cli"]
@@ -30,12 +32,6 @@ def ranklens(*args: str, env: dict[str, str] | None = None, timeout: float = 120
     return subprocess.run(
         [*RANKLENS, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -50,7 +46,7 @@ def password_server(tmp_path):
     d = tmp_path / "ch"
     for sub in ("data", "tmp", "user_files", "log"):
         (d / sub).mkdir(parents=True)
-    tcp, http = _free_port(), _free_port()
+    tcp, http = free_port(), free_port()
     (d / "config.xml").write_text(
         f"""<?xml version="1.0"?>
 <yandex>
@@ -78,15 +74,19 @@ def password_server(tmp_path):
     with (d / "log" / "stdout.log").open("wb") as out:
         proc = subprocess.Popen(["clickhouse-server", f"--config-file={d}/config.xml"], stdout=out, stderr=out, cwd=d)
     try:
-        deadline = time.monotonic() + 60
-        while True:  # ready when it answers a query (not merely when the port is open)
-            r = subprocess.run(
-                ["clickhouse-client", "--port", str(tcp), "--query", "SELECT 1"], capture_output=True, text=True
-            )
-            if r.returncode == 0:
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, (d / "log" / "stdout.log").read_text()
-            time.sleep(0.3)
+
+        def answers() -> bool:  # ready when it answers a query (not merely when the port is open)
+            cmd = ["clickhouse-client", "--port", str(tcp), "--query", "SELECT 1"]
+            return subprocess.run(cmd, capture_output=True).returncode == 0
+
+        wait_until(
+            answers,
+            60,
+            "the password server to answer a query",
+            interval_s=0.3,
+            procs=[proc],
+            detail=lambda: (d / "log" / "stdout.log").read_text(),
+        )
         yield tcp
     finally:
         proc.terminate()
@@ -130,8 +130,7 @@ def test_schema_migrate_embedded_names_the_store(tmp_path):
 
 @pytest.mark.server
 def test_wrong_password_is_exit_4_on_one_line_without_the_server_stack():
-    _need_server()
-    base = SERVER_BASE.replace("clickhouse://default@", "clickhouse://default:wrong-password-77@")
+    base = _need_server().replace("clickhouse://default@", "clickhouse://default:wrong-password-77@")
     for args in (["sql", "SELECT 1"], ["analyze"], ["schema", "--migrate"]):
         r = ranklens(args[0], "--store", f"{base.rstrip('/')}/ranklens_wrongpw", *args[1:])
         lines = r.stderr.strip().splitlines()
@@ -144,8 +143,7 @@ def test_wrong_password_is_exit_4_on_one_line_without_the_server_stack():
 @pytest.mark.server
 def test_collector_with_refused_credentials_stops_at_once(tmp_path):
     """A server that is down is waited for (LazyStore); refused credentials will not get better."""
-    _need_server()
-    base = SERVER_BASE.replace("clickhouse://default@", "clickhouse://default:wrong-password-77@")
+    base = _need_server().replace("clickhouse://default@", "clickhouse://default:wrong-password-77@")
     r = ranklens("collector", "--store", f"{base.rstrip('/')}/ranklens_wrongpw", "--spool", str(tmp_path), timeout=60)
     assert r.returncode == 4 and "refused the credentials" in r.stderr, r.stderr
 
