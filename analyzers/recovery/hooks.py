@@ -8,10 +8,12 @@ Register with the decorator on a :class:`HookRegistry` (the module-level :func:`
     cordon = "mypkg.remediation:cordon_node"   # a @hook-decorated function, or any callable
 
 A hook gets the decision (finding, level, target, dry-run flag). Returning None or True means
-done, False means it failed, a string is kept as the detail. Each call runs in its own daemon
-thread and is waited for at most ``timeout_s``: a hook that raises is recorded as ``failed``,
-one that hangs as ``timeout`` and the caller goes on (the thread is left to finish; while it
-runs, further calls of the same hook are ``skipped`` rather than piling up threads). Hooks are
+done, False means it failed, a string is kept as the detail. Each call runs as a job on the
+process's background worker (:mod:`ranklens._worker`), on a lane of that hook's own (one daemon
+thread per hook name, started at its first call; a hung hook never holds up another one nor the
+interpreter's exit), and is waited for at most ``timeout_s``: a hook that raises is recorded as
+``failed``, one that hangs as ``timeout`` and the caller goes on (the call is left to finish;
+while it runs, further calls of the same hook are ``skipped`` rather than piling up). Hooks are
 called at most once per decision; they are not retried.
 """
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
+from ranklens._worker import Worker
 from ranklens.analyzers.recovery.api import Decision, Level, RecoveryError
 
 __all__ = [
@@ -69,12 +72,17 @@ class HookResult:
 
 
 class HookRegistry:
-    """Hooks by name. Registering a name twice replaces the first (re-imports are harmless)."""
+    """Hooks by name. Registering a name twice replaces the first (re-imports are harmless).
 
-    def __init__(self) -> None:
+    Args:
+        worker: runs the calls (default: the process's hook worker, shared by every registry).
+    """
+
+    def __init__(self, worker: Worker | None = None) -> None:
         self._hooks: dict[str, HookSpec] = {}
         self._lock = threading.Lock()
-        self._running: dict[str, threading.Thread] = {}
+        self._running: set[str] = set()  # hooks whose call has not returned yet
+        self._worker = worker
 
     def hook(
         self,
@@ -169,40 +177,65 @@ class HookRegistry:
         return names
 
     def run(self, spec: HookSpec, decision: Decision) -> HookResult:
-        """Call one hook with ``decision`` in a daemon thread, waiting at most ``spec.timeout_s``."""
+        """Call one hook with ``decision`` on its lane of the worker, waiting at most ``spec.timeout_s``."""
         with self._lock:
-            prev = self._running.get(spec.name)
-            if prev is not None and prev.is_alive():
+            if spec.name in self._running:
                 return HookResult("skipped", "the previous call of this hook is still running", 0.0)
-        return run_hook(spec, decision, _track=(self._lock, self._running))
+            self._running.add(spec.name)
+
+        def finished() -> None:
+            with self._lock:
+                self._running.discard(spec.name)
+
+        return run_hook(spec, decision, worker=self._worker, _finished=finished)
+
+
+_hook_worker: Worker | None = None
+_hook_worker_lock = threading.Lock()
+
+
+def hook_worker() -> Worker:
+    """The process's worker for hook calls (made at the first call; reset in a forked child)."""
+    global _hook_worker
+    with _hook_worker_lock:
+        if _hook_worker is None:
+            _hook_worker = Worker("ranklens-hooks", max_queue=1)
+        return _hook_worker
 
 
 def run_hook(
     spec: HookSpec,
     decision: Decision,
     *,
-    _track: tuple[threading.Lock, dict[str, threading.Thread]] | None = None,
+    worker: Worker | None = None,
+    _finished: Callable[[], None] | None = None,
 ) -> HookResult:
-    """Run ``spec.fn(decision)`` with a timeout; never raises."""
+    """Run ``spec.fn(decision)`` with a timeout (on ``worker``, default :func:`hook_worker`, in
+    the lane ``hook:<name>``); never raises."""
     box: dict[str, Any] = {}
+    done = threading.Event()
 
     def call() -> None:
         try:
             box["value"] = spec.fn(decision)
         except BaseException as e:
             box["error"] = e
+        finally:
+            done.set()
+            if _finished is not None:
+                _finished()
 
-    # A daemon thread, not a ThreadPoolExecutor: the executor's workers are joined at interpreter
-    # exit, so one hung hook would keep the analyzer from ever exiting.
-    t = threading.Thread(target=call, name=f"ranklens-hook-{spec.name}", daemon=True)
+    # A daemon lane of the worker, not a ThreadPoolExecutor: the executor's workers are joined at
+    # interpreter exit, so one hung hook would keep the analyzer from ever exiting.
     start = time.monotonic()
-    if _track is not None:
-        with _track[0]:
-            _track[1][spec.name] = t
-    t.start()
-    t.join(spec.timeout_s)
+    w = worker if worker is not None else hook_worker()
+    if not w.submit(call, name=spec.name, lane=f"hook:{spec.name}"):
+        if _finished is not None:
+            _finished()
+        return HookResult("skipped", "the hook's previous call is still queued (or the worker is closed)", 0.0)
+    done.wait(spec.timeout_s)
     took = time.monotonic() - start
-    if t.is_alive():
+    if not done.is_set():
         logger.error("recovery: hook %s still running after %.1f s; going on without it", spec.name, spec.timeout_s)
         return HookResult("timeout", f"still running after {spec.timeout_s:g} s", took)
     if "error" in box:
