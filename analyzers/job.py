@@ -12,6 +12,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from ranklens.analyzers.contention import Contention
 from ranklens.analyzers.correlate import correlate_findings
 from ranklens.analyzers.detectors import StragglerDetector
 from ranklens.analyzers.findings import Finding
@@ -32,15 +33,19 @@ def analyze_job(
     hang_config: HangConfig | None = None,
     now_ns: int | None = None,
     window_steps: int | None = None,
+    contention: list[Contention] | None = None,
 ) -> list[Finding]:
     """Every finding of one job attempt: hangs/crashes/desyncs first, then stragglers and slow links
     by impact, each with the GPU events and log errors of its ranks/nodes and time window.
 
     ``window_steps`` limits the straggler analysis to the most recent steps (the live loop uses
-    it so each pass costs the same however long the job has run)."""
+    it so each pass costs the same however long the job has run). Straggler and link findings that
+    host CPU contention explains are left out; with ``contention`` a note for each is appended there."""
     hangs = detect_live_hangs(store, job_id, attempt, config=hang_config, now_ns=now_ns)
-    stragglers = find_stragglers(store, job_id, attempt, detector=detector, window_steps=window_steps)
-    links = find_slow_links(store, job_id, attempt, window_steps=window_steps or 0)
+    stragglers = find_stragglers(
+        store, job_id, attempt, detector=detector, window_steps=window_steps, contention=contention
+    )
+    links = find_slow_links(store, job_id, attempt, window_steps=window_steps or 0, contention=contention)
     # GPU events and classified log errors around each finding: the earliest is the likely origin
     # stragglers and slow links ranked together by what they cost the job
     ranked = sorted(stragglers + links, key=lambda f: (-f.impact_s, f.id))

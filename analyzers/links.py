@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ranklens.analyzers.contention import Contention, discount_links
 from ranklens.analyzers.findings import Finding, Severity, Suspect, finding_id
 from ranklens.analyzers.ranks import rank_hosts
 from ranklens.analyzers.tomography import (
@@ -562,6 +563,7 @@ def find_slow_links(
     detector: LinkDetector | None = None,
     min_bytes: int = DEFAULT_MIN_BYTES,
     window_steps: int = 0,
+    contention: list[Contention] | None = None,
 ) -> list[Finding]:
     """Slow-link and network-congestion findings of one job attempt, most costly first.
 
@@ -571,6 +573,9 @@ def find_slow_links(
         detector: decides from the metric (default: :class:`GroupTestingDetector`).
         min_bytes: collectives moving fewer bytes are latency bound and left out.
         window_steps: steps per window (0: automatic, at most 20 windows).
+        contention: a slow link that host CPU contention explains (a rank of the link's nodes
+            whose threads waited for a CPU: :func:`ranklens.analyzers.contention.discount_links`)
+            is not reported; a note about it is appended here.
 
     Returns:
         ``slow_link`` findings naming a node's network link (``node3<->network``), a link between
@@ -581,4 +586,4 @@ def find_slow_links(
     metrics = compute_link_metrics(store, job_id, attempt, min_bytes=min_bytes, window_steps=window_steps)
     if len(metrics) == 0:
         return []
-    return to_findings(metrics, detector.detect(metrics), detector)
+    return discount_links(store, to_findings(metrics, detector.detect(metrics), detector), contention)

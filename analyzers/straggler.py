@@ -15,6 +15,7 @@ import numpy as np
 from ranklens.analyzers import detectors
 from ranklens.analyzers.blame import BlameMatrix, compute_blame
 from ranklens.analyzers.compute import ComputeMatrix, compute_matrix, phase_excess
+from ranklens.analyzers.contention import Contention, cpu_window, explains
 from ranklens.analyzers.detectors import (
     Detection,
     PeerComputeDetector,
@@ -26,7 +27,7 @@ from ranklens.analyzers.detectors import (
 from ranklens.analyzers.findings import Finding, Severity, Suspect, finding_id
 from ranklens.store.api import Store
 
-__all__ = ["find_stragglers", "to_finding"]
+__all__ = ["discount_cpu_contention", "find_stragglers", "to_finding"]
 
 CRITICAL_PCT = 20.0
 # a finding closes when the rank stopped being hot this many steps ago
@@ -337,13 +338,17 @@ def find_stragglers(
     *,
     detector: StragglerDetector | PeerDetector | None = None,
     window_steps: int | None = None,
+    contention: list[Contention] | None = None,
 ) -> list[Finding]:
     """Straggler findings of one job attempt, most costly first.
 
     By default ranks are compared with their peers on compute time (:class:`PeerComputeDetector`),
     which needs the ``steps`` table; without steps (e.g. a script traced with no step markers) the
     blame detector decides. Pass a detector to choose: its ``metric`` says which matrix it decides
-    over (``"blame"``: a :class:`StragglerDetector`; ``"compute"``: a :class:`PeerDetector`).
+    over (``"blame"``: a :class:`StragglerDetector`; ``"compute"``: a :class:`PeerDetector`). A rank
+    that was behind because its host starved it of CPU (:mod:`ranklens.analyzers.contention`) is not
+    a straggler: its finding is left out and, when ``contention`` is given, a note about it is
+    appended there.
     """
     metric = getattr(detector, "metric", None) if detector is not None else "compute"
     if metric not in ("blame", "compute"):
@@ -355,20 +360,74 @@ def find_stragglers(
         blame_det = cast(StragglerDetector, detector)
         blame = compute_blame(store, job_id, attempt)
         findings = [to_finding(blame, d, blame_det) for d in blame_det.detect(blame)]
-        return merge_node_findings(findings, blame.hosts)
+        return merge_node_findings(discount_cpu_contention(store, findings, contention), blame.hosts)
     cm = compute_matrix(store, job_id, attempt, window_steps=window_steps)
     if cm.empty:
         blame_detector = PersistentBlameDetector()
         blame = compute_blame(store, job_id, attempt)
         findings = [to_finding(blame, d, blame_detector) for d in blame_detector.detect(blame)]
-        return merge_node_findings(findings, blame.hosts)
+        return merge_node_findings(discount_cpu_contention(store, findings, contention), blame.hosts)
     peer_detector = cast(PeerDetector, detector) if detector is not None else PeerComputeDetector()
     detections = peer_detector.detect(cm)
-    blame = compute_blame(store, job_id, attempt, only_ranks=[d.rank for d in detections]) if detections else None
+    blamed = compute_blame(store, job_id, attempt, only_ranks=[d.rank for d in detections]) if detections else None
     findings = [
         to_peer_finding(
-            cm, blame, d, peer_detector, phase_excess(store, cm, d.rank, cm.steps[d.onset_index : d.last_index + 1])
+            cm, blamed, d, peer_detector, phase_excess(store, cm, d.rank, cm.steps[d.onset_index : d.last_index + 1])
         )
         for d in detections
     ]
-    return merge_node_findings(findings, cm.hosts)
+    return merge_node_findings(discount_cpu_contention(store, findings, contention), cm.hosts)
+
+
+def discount_cpu_contention(
+    store: Store, findings: list[Finding], notes: list[Contention] | None = None
+) -> list[Finding]:
+    """``findings`` without the rank findings that host CPU contention explains (its run-queue delay
+    above its peers' is most of the excess, and it did no more CPU work than they did:
+    :func:`ranklens.analyzers.contention.explains`); each one left out becomes a note in ``notes``.
+    The findings kept carry what the scheduler counters said in ``evidence["cpu"]``."""
+    out = []
+    for f in findings:
+        if f.kind != "straggler" or len(f.suspects) != 1 or f.suspects[0].rank < 0:
+            out.append(f)
+            continue
+        rank = f.suspects[0].rank
+        ev = f.evidence
+        excess = float(ev.get("excess_per_step_s", ev.get("delay_per_step_s")) or 0.0)
+        step_s = float(ev.get("mean_step_time_s") or 0.0)
+        if not (np.isfinite(step_s) and step_s > 0):
+            out.append(f)
+            continue
+        t1 = f.last_seen_ns + int(step_s * 1e9)
+        cw = cpu_window(store, f.job_id, f.attempt, f.first_seen_ns, t1)
+        why = explains(cw, rank, excess, step_s)
+        if why is None:
+            i = cw.index(rank)
+            if i is not None and len(cw.ranks) >= 3:
+                others = np.delete(np.arange(len(cw.ranks)), i)
+                ev["cpu"] = {
+                    "run_delay_above_peers_per_step_s": round(
+                        float(cw.delay_rate[i] - np.median(cw.delay_rate[others])) * step_s, 6
+                    ),
+                    "cpu_above_peers_per_step_s": round(
+                        float(cw.cpu_rate[i] - np.median(cw.cpu_rate[others])) * step_s, 6
+                    ),
+                }
+            out.append(f)
+            continue
+        if notes is not None:
+            notes.append(
+                Contention(
+                    kind="straggler",
+                    node=f.suspects[0].node or cw.hosts.get(rank, ""),
+                    ranks=(rank,),
+                    excess_per_step_s=excess,
+                    run_delay_per_step_s=why[0],
+                    cpu_per_step_s=why[1],
+                    first_seen_ns=f.first_seen_ns,
+                    last_seen_ns=f.last_seen_ns,
+                    title=f.title,
+                    sql=cw.sql,
+                )
+            )
+    return out

@@ -342,7 +342,8 @@ def analyze(
                 metrics_addr=metrics_addr,
             )
             return
-        findings = analyze_job(store, job_id, attempt)
+        contention: list[Any] = []  # findings host CPU contention explains: notes, not findings
+        findings = analyze_job(store, job_id, attempt, contention=contention)
         from ranklens.live_service import job_history
 
         # what earlier passes (analyze --follow during the job) found stays visible afterwards
@@ -359,6 +360,7 @@ def analyze(
                 "attempt": attempt,
                 "step_source": coverage.step_source,
                 "coverage": coverage.to_json(),
+                "host_cpu_contention": [c.to_json() for c in contention],
                 "findings": history.to_json(),
             }
             if report is not None:
@@ -367,6 +369,8 @@ def analyze(
             return
         click.echo(f"job {job_id} attempt {attempt}")
         _print_findings(findings, coverage)
+        for c in contention:
+            click.echo(f"\nNote: {c.line()}")
         _print_history(history)
         if report is not None:
             _print_report(report)

@@ -32,7 +32,7 @@ __all__ = [
     "table",
 ]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7  # 7: the cpu table (host CPU contention, issue 21)
 
 _SCALARS = {"Int32", "Int64", "UInt8", "UInt32", "UInt64", "Float64", "String"}
 
@@ -325,6 +325,27 @@ _table(
     ],
     ("job_id", "attempt", "rank", "ts_ns"),
     "one row per rank x heartbeat interval",
+    shard_key="cityHash64(job_id, rank)",
+)
+_table(
+    "cpu",
+    [
+        *_job(),
+        _c("host", "String", "host (node) name"),
+        _c("ts_ns", "Int64", "sample time", required=True),
+        _c("cpu_ns", "Int64", "training thread: cumulative time on a CPU (schedstat)", required=True),
+        _c(
+            "run_delay_ns",
+            "Int64",
+            "training thread: cumulative time runnable but waiting for a CPU (run-queue delay, schedstat)",
+            required=True,
+        ),
+        _c("proc_cpu_ns", "Int64", "all threads of the rank's process: cumulative time on a CPU", default=-1),
+        _c("proc_run_delay_ns", "Int64", "all threads: cumulative run-queue delay", default=-1),
+        _c("threads", "Int32", "threads of the process at the sample", default=-1),
+    ],
+    ("job_id", "attempt", "rank", "ts_ns"),
+    "one row per rank x scheduler sample (how much CPU the host gave the rank)",
     shard_key="cityHash64(job_id, rank)",
 )
 _table(

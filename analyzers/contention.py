@@ -1,0 +1,185 @@
+"""Host CPU contention: a rank the host starved of CPU is not a straggler (issue 21).
+
+Metric (SQL over the ``cpu`` table, the tracer's samples of the scheduler's per-thread counters,
+see ``tracing/_cpu.py``): per rank over a time window, the growth of its training thread's
+on-CPU time and run-queue delay (runnable, waiting for a CPU), as rates (seconds per second).
+
+Decision (:func:`explains`): a straggler or link finding's excess per step ``E`` is explained by
+host CPU contention when the suspect's run delay exceeds its peers' (their median) by at least
+``MIN_DELAY_SHARE`` of ``E`` per step, while its CPU time does not exceed theirs by more than
+``MAX_CPU_SHARE`` of ``E``: the rank did the same work as its peers and was late because it waited
+for a CPU. A rank slowed by something of its own is not: sleeping or blocking on I/O is not
+runnable (no run delay), extra compute is CPU time. A finding so explained is not reported; a
+:class:`Contention` note is, so the user still sees that the host is oversubscribed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ranklens.analyzers.findings import Finding
+from ranklens.store.api import Store
+from ranklens.store.api import sql_escape as _esc
+
+__all__ = ["Contention", "CpuWindow", "cpu_window", "cpu_window_sql", "discount_links", "explains"]
+
+MIN_DELAY_SHARE = 0.5  # run delay above the peers' explains at least this share of the excess...
+MAX_CPU_SHARE = 0.25  # ...and the rank's extra CPU time is at most this share of it
+PAD_NS = 600_000_000  # samples come with the tracer's flush (0.5 s): widen short windows to two samples
+
+
+def cpu_window_sql(job_id: str, attempt: int, t0_ns: int, t1_ns: int) -> str:
+    """Per rank: samples, time span and growth of each counter between ``t0_ns`` and ``t1_ns``."""
+    return f"""
+SELECT rank, any(host) AS host, count() AS samples, max(ts_ns) - min(ts_ns) AS span_ns,
+       argMax(cpu_ns, ts_ns) - argMin(cpu_ns, ts_ns) AS cpu_d,
+       argMax(run_delay_ns, ts_ns) - argMin(run_delay_ns, ts_ns) AS delay_d,
+       argMax(proc_cpu_ns, ts_ns) - argMin(proc_cpu_ns, ts_ns) AS proc_cpu_d,
+       argMax(proc_run_delay_ns, ts_ns) - argMin(proc_run_delay_ns, ts_ns) AS proc_delay_d
+FROM cpu
+WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND ts_ns >= {int(t0_ns)} AND ts_ns <= {int(t1_ns)}
+GROUP BY rank
+ORDER BY rank
+""".strip()
+
+
+@dataclass(frozen=True)
+class CpuWindow:
+    """Per rank (parallel arrays) over a window: CPU and run-delay rates in seconds per second, of
+    the training thread and of all the process's threads."""
+
+    ranks: np.ndarray
+    hosts: dict[int, str]
+    cpu_rate: np.ndarray
+    delay_rate: np.ndarray
+    proc_cpu_rate: np.ndarray
+    proc_delay_rate: np.ndarray
+    sql: str
+
+    def index(self, rank: int) -> int | None:
+        hit = np.flatnonzero(self.ranks == rank)
+        return int(hit[0]) if len(hit) else None
+
+
+def cpu_window(store: Store, job_id: str, attempt: int, t0_ns: int, t1_ns: int) -> CpuWindow:
+    """The ``cpu`` metric over ``[t0_ns, t1_ns]`` (widened by a flush interval each side); ranks
+        with fewer than two samples in it are left out (a rank traced where /proc has no schedstat
+    has none: it is never discounted)."""
+    sql = cpu_window_sql(job_id, attempt, t0_ns - PAD_NS, t1_ns + PAD_NS)
+    r = store.query(sql)
+    ranks: list[int] = []
+    hosts: dict[int, str] = {}
+    cpu: list[float] = []
+    delay: list[float] = []
+    pcpu: list[float] = []
+    pdelay: list[float] = []
+    for rank, host, n, span, cpu_d, delay_d, pcpu_d, pdelay_d in r.rows():
+        if int(n) < 2 or int(span) <= 0:
+            continue
+        span_s = int(span) / 1e9
+        ranks.append(int(rank))
+        hosts[int(rank)] = str(host)
+        cpu.append(int(cpu_d) / 1e9 / span_s)
+        delay.append(int(delay_d) / 1e9 / span_s)
+        pcpu.append(int(pcpu_d) / 1e9 / span_s)
+        pdelay.append(int(pdelay_d) / 1e9 / span_s)
+    f = np.asarray
+    return CpuWindow(f(ranks, dtype=np.int64), hosts, f(cpu), f(delay), f(pcpu), f(pdelay), sql)
+
+
+@dataclass(frozen=True)
+class Contention:
+    """Why a finding was not reported: its rank(s) waited for a CPU on their host."""
+
+    kind: str  # the finding kind it replaced: straggler, slow_link
+    node: str
+    ranks: tuple[int, ...]
+    excess_per_step_s: float  # what the finding claimed
+    run_delay_per_step_s: float  # the suspect's run-queue delay above its peers', per step
+    cpu_per_step_s: float  # its CPU time above its peers', per step
+    first_seen_ns: int
+    last_seen_ns: int
+    title: str  # the finding's title, for the record
+    sql: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "node": self.node,
+            "ranks": list(self.ranks),
+            "excess_ms_per_step": round(self.excess_per_step_s * 1e3, 3),
+            "run_delay_ms_per_step": round(self.run_delay_per_step_s * 1e3, 3),
+            "extra_cpu_ms_per_step": round(self.cpu_per_step_s * 1e3, 3),
+            "first_seen_ns": self.first_seen_ns,
+            "last_seen_ns": self.last_seen_ns,
+            "finding_title": self.title,
+            "sql": self.sql,
+        }
+
+    def line(self) -> str:
+        """One line for the CLI's text output."""
+        who = ", ".join(map(str, self.ranks))
+        return (
+            f"host CPU contention on {self.node or '?'}: rank{'s' if len(self.ranks) > 1 else ''} {who} waited "
+            f"{self.run_delay_per_step_s * 1e3:.0f} ms/step for a CPU more than the others (of "
+            f"{self.excess_per_step_s * 1e3:.0f} ms/step it was behind): the host is oversubscribed, "
+            f"not a {self.kind.replace('_', ' ')}"
+        )
+
+
+def explains(
+    cw: CpuWindow, rank: int, excess_per_step_s: float, step_s: float, *, proc: bool = False
+) -> tuple[float, float] | None:
+    """(run delay, CPU time) of ``rank`` above its peers' median per step when host CPU contention
+    explains an excess of ``excess_per_step_s`` (see the module doc), else None. ``proc``: the
+    process's threads (transfers run on the backend's threads), not the training thread's."""
+    i = cw.index(rank)
+    if i is None or len(cw.ranks) < 3 or not excess_per_step_s > 0 or not step_s > 0:
+        return None
+    delay = cw.proc_delay_rate if proc else cw.delay_rate
+    cpu = cw.proc_cpu_rate if proc else cw.cpu_rate
+    others = np.delete(np.arange(len(cw.ranks)), i)
+    rd_x = float(delay[i] - np.median(delay[others])) * step_s
+    cpu_x = float(cpu[i] - np.median(cpu[others])) * step_s
+    if rd_x >= MIN_DELAY_SHARE * excess_per_step_s and cpu_x <= MAX_CPU_SHARE * excess_per_step_s:
+        return rd_x, cpu_x
+    return None
+
+
+def discount_links(store: Store, findings: list[Finding], notes: list[Contention] | None = None) -> list[Finding]:
+    """``findings`` without the ``slow_link`` findings host CPU contention explains: a suspect rank
+    of the link whose process's threads (the backend's transfer threads) waited for a CPU above its
+    peers' for at least half of the time the link's transfers lost, without doing more CPU work
+    (:func:`explains` on the process's counters, per second of wall time); a note for each."""
+    out = []
+    for f in findings:
+        ranks = sorted({s.rank for s in f.suspects if s.rank >= 0})
+        if f.kind != "slow_link" or not ranks or not f.step_time_pct > 0:
+            out.append(f)
+            continue
+        excess_rate = f.step_time_pct / 100.0  # seconds of transfer lost per second of the job
+        cw = cpu_window(store, f.job_id, f.attempt, f.first_seen_ns, f.last_seen_ns)
+        hits = [(r, w) for r in ranks if (w := explains(cw, r, excess_rate, 1.0, proc=True)) is not None]
+        if not hits:
+            out.append(f)
+            continue
+        if notes is not None:
+            worst = max(hits, key=lambda h: h[1][0])
+            notes.append(
+                Contention(
+                    kind="slow_link",
+                    node=cw.hosts.get(worst[0], "") or next((s.node for s in f.suspects if s.node), ""),
+                    ranks=tuple(r for r, _ in hits),
+                    excess_per_step_s=excess_rate,
+                    run_delay_per_step_s=worst[1][0],
+                    cpu_per_step_s=worst[1][1],
+                    first_seen_ns=f.first_seen_ns,
+                    last_seen_ns=f.last_seen_ns,
+                    title=f.title,
+                    sql=cw.sql,
+                )
+            )
+    return out
