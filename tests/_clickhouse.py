@@ -7,22 +7,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
-from tests._sync import wait_until
+from tests._sync import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["ClickHouseServer", "free_port", "installed"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["ClickHouseServer", "installed"]
 
 
 def installed() -> bool:

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["wait_for_file", "wait_for_port", "wait_until"]
+__all__ = ["free_port", "wait_for_file", "wait_for_port", "wait_until"]
 
 
 def wait_until(
@@ -78,3 +78,11 @@ def wait_for_port(host: str, port: int, timeout_s: float, what: str | None = Non
             return False
 
     wait_until(accepting, timeout_s, what or f"{host}:{port} to accept connections", **kw)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (bound to port 0, then released): for a
+    server a test starts, which then says it is ready (see :func:`wait_for_port`)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._clickhouse import free_port
-from tests._sync import wait_until
+from tests._sync import free_port, wait_until
 from tests.conftest import REQUIRE_SERVER, _need_server
 from tests.helpers import synthetic_job
 

@@ -8,21 +8,16 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests._sync import free_port, wait_until
 
 pytest.importorskip("streamlit")
 pytest.importorskip("plotly")
 
 RANKLENS = [sys.executable, "-m", "ranklens.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _listening(port: int) -> bool:
@@ -45,20 +40,12 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _wait(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_signal_to_dashboard_stops_its_streamlit_server(tmp_path, sig):
     from ranklens.store import open_store
 
     open_store(f"embedded://{tmp_path / 'store'}").close()
-    port = _free_port()
+    port = free_port()
     err = tmp_path / "stderr.log"
     with err.open("wb") as err_file:
         proc = subprocess.Popen(
@@ -69,14 +56,13 @@ def test_signal_to_dashboard_stops_its_streamlit_server(tmp_path, sig):
         )
     child = None
     try:
-        _wait(lambda: _listening(port) or proc.poll() is not None, 120, f"the dashboard on port {port}")
-        assert proc.poll() is None, err.read_text()
+        wait_until(lambda: _listening(port), 120, f"the dashboard on port {port}", procs=[proc], detail=err.read_text)
         (child,) = _children(proc.pid)
         proc.send_signal(sig)
         rc = proc.wait(timeout=30)
         assert rc == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
-        _wait(lambda: not _alive(child), 30, f"the Streamlit child {child} to exit")
-        _wait(lambda: not _listening(port), 10, f"port {port} to close")
+        wait_until(lambda: not _alive(child), 30, f"the Streamlit child {child} to exit", interval_s=0.1)
+        wait_until(lambda: not _listening(port), 10, f"port {port} to close", interval_s=0.1)
     finally:
         if proc.poll() is None:
             proc.kill()
