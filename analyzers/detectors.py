@@ -41,7 +41,9 @@ class StragglerDetector(Protocol):
     """Decides over the blame matrix (whom the others waited for); ``metric`` says which matrix a
     detector reads, so :func:`~ranklens.analyzers.straggler.find_stragglers` computes that one."""
 
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: frozen dataclasses satisfy it
+
     metric: ClassVar[Literal["blame"]]
 
     def detect(self, blame: BlameMatrix) -> list[Detection]: ...
@@ -50,7 +52,9 @@ class StragglerDetector(Protocol):
 class PeerDetector(Protocol):
     """Decides over the compute matrix (each rank's compute time against its peers')."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
+
     metric: ClassVar[Literal["compute"]]
 
     def detect(self, cm: ComputeMatrix) -> list[PeerDetection]: ...

@@ -444,14 +444,14 @@ def analyze_flight_recorder(
         # A rank already blamed for a mismatch usually stalls its peers afterwards: one finding.
         same = next((m for m in findings if {s.rank for s in f.suspects} <= {s.rank for s in m.suspects}), None)
         cause = None if same is not None or f.kind != "crash" else _mismatch_behind(f, findings, set(bad))
-        if same is None and cause is None:
-            findings.append(f)
-        elif same is not None:
+        if same is not None:
             same.evidence.setdefault("related", []).append(
                 {"kind": f.kind, "title": f.title, "pg": f.evidence["pg"], "seq": f.evidence["seq"]}
             )
-        else:
+        elif cause is not None:
             findings[findings.index(cause)] = _with_victims(cause, f)
+        else:
+            findings.append(f)
     if step_of is not None:
         findings = [_with_step(f, step_of) for f in findings]
     return sorted(findings, key=lambda f: (-f.confidence, f.title))

@@ -135,7 +135,8 @@ class LinkReport:
 class LinkDetector(Protocol):
     """Decides from link cells which links are slow and which periods are congested."""
 
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: frozen dataclasses satisfy it
 
     def detect(self, metrics: LinkMetrics) -> LinkReport: ...
 
@@ -383,7 +384,7 @@ class GroupTestingDetector:
 def _independent(m: LinkMetrics, link: Link, cells: list[int]) -> int:
     """Independent groups among ``cells``: different partner nodes (a node link) or different rank
     sets (a pair or intra-node link). Two tensor-parallel ranks' groups to the same partners count once."""
-    keys = set()
+    keys: set[frozenset[str] | frozenset[int]] = set()
     for i in cells:
         g = m.groups.get(str(m.pg[i]))
         if g is None:

@@ -40,6 +40,7 @@ User rules come from a TOML (or, with PyYAML installed, YAML) file::
 from __future__ import annotations
 
 import enum
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -571,7 +572,7 @@ def _rule_from_mapping(d: Mapping[str, Any], where: str) -> LogRule:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``, needs PyYAML) file into a dict."""
     p = Path(path)
     try:

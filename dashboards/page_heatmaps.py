@@ -78,7 +78,7 @@ if axis == "rank":
 elif axis == "node":
     rows = sorted(set(df["row_key"]), key=str)
     nodes_of = dict(zip(info["rank"].astype(int), info["node"])) if not info.empty else {}
-    hl_keys = {nodes_of.get(r) for r in highlight}
+    hl_keys = {nodes_of[r] for r in highlight if r in nodes_of}
     labels_of = {r: str(r) for r in rows}
 else:
     rows = sorted(set(int(r) for r in df["row_key"]))

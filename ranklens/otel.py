@@ -86,7 +86,7 @@ def provider_from_env(attrs: dict[str, Any], *, default_service: str | None = "r
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             except ImportError:
                 try:
-                    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[no-redef]
+                    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[no-redef, unused-ignore]
                         OTLPSpanExporter,
                     )
                 except ImportError:

@@ -282,7 +282,7 @@ class phase(contextlib.ContextDecorator):  # used like a function: rl.phase("for
         return bool(self._cms.pop().__exit__(*exc))
 
 
-def allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]
+def allreduce_hook(process_group, bucket):
     """A DDP communication hook: DDP's averaging all-reduce, routed through the traced
     ``all_reduce`` so every gradient bucket lands in the arrival ledger.
 

@@ -142,7 +142,7 @@ class AutoStep:
 
         __init__.__ranklens_wrapped__ = orig_init  # type: ignore[attr-defined]
         self._optim_init = (optim.Optimizer, orig_init, __init__)
-        optim.Optimizer.__init__ = __init__
+        optim.Optimizer.__init__ = __init__  # type: ignore[method-assign, assignment]  # restored by uninstall
         self._handles.append(optim.register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(optim.register_optimizer_step_post_hook(self._opt_post))
         self._global.append(nn_module.register_module_forward_pre_hook(self._gpre))

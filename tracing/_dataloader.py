@@ -33,7 +33,7 @@ def patch_dataloader(tracer: Any) -> None:
         with tracer.phase("data"):
             return orig(self)
 
-    base.__next__ = __next__
+    base.__next__ = __next__  # type: ignore[method-assign]  # restored by unpatch_dataloader
 
 
 def unpatch_dataloader() -> None:
@@ -41,4 +41,4 @@ def unpatch_dataloader() -> None:
         return
     from torch.utils.data import dataloader
 
-    dataloader._BaseDataLoaderIter.__next__ = _saved.pop("__next__")
+    dataloader._BaseDataLoaderIter.__next__ = _saved.pop("__next__")  # type: ignore[method-assign]

@@ -50,9 +50,10 @@ def _handler(name: str) -> Any:
     """A control-plane handler called in-process, or None where torch has none of that name."""
     import torch._C._distributed_c10d as c10d
 
-    if name not in c10d._get_handler_names():
+    # private control-plane API, not in torch's stubs
+    if name not in c10d._get_handler_names():  # type: ignore[attr-defined]
         return None
-    fn = c10d._get_handler(name)
+    fn = c10d._get_handler(name)  # type: ignore[attr-defined]
 
     class _Request(c10d._Request):
         def __init__(self) -> None:
@@ -204,7 +205,7 @@ class RingReader:
 def _status() -> tuple[int, bool]:
     import torch._C._distributed_c10d as c10d
 
-    groups = json.loads(c10d._dump_fr_trace_json(includeCollectives=False)).get("pg_status") or {}
+    groups = json.loads(c10d._dump_fr_trace_json(includeCollectives=False)).get("pg_status") or {}  # type: ignore[attr-defined]
     enqueued = [int(g.get("last_enqueued_collective", 0)) for g in groups.values()]
     completed = [int(g.get("last_completed_collective", 0)) for g in groups.values()]
     return sum(enqueued), any(e > c for e, c in zip(enqueued, completed))

@@ -415,7 +415,7 @@ class Ledger:
 
             from ranklens.tracing._patch import _register_group
 
-            g = c10d._resolve_process_group(pg)
+            g = c10d._resolve_process_group(c10d.GroupName(pg))
             self.t._pg_names[id(g)] = (pg, g)
             _register_group(self.t, c10d, g, pg)
         except Exception:

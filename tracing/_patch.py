@@ -294,7 +294,7 @@ def patch(tracer: Any) -> None:
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # pragma: no cover - old torch
-        DeviceMesh = None
+        DeviceMesh = None  # type: ignore[misc, assignment]  # no device mesh in this torch
     if DeviceMesh is not None:
         init = getattr(DeviceMesh.__init__, "__ranklens_wrapped__", DeviceMesh.__init__)
         _originals.setdefault((DeviceMesh, "__init__"), init)

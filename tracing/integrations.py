@@ -65,9 +65,9 @@ def lightning_callback() -> Any:
     try:
         from lightning.pytorch import Callback
     except ImportError:
-        from pytorch_lightning import Callback  # type: ignore[no-redef]
+        from pytorch_lightning import Callback  # type: ignore[assignment]  # the older package's own class
 
-    class RanklensLightningCallback(Callback):  # type: ignore[misc, valid-type]
+    class RanklensLightningCallback(Callback):
         def __init__(self) -> None:
             super().__init__()
             self._marks = _Marks()
@@ -98,7 +98,7 @@ def hf_callback() -> Any:
     """A ``transformers.TrainerCallback`` marking steps and the optimizer phase."""
     from transformers import TrainerCallback
 
-    class RanklensTrainerCallback(TrainerCallback):  # type: ignore[misc, valid-type]
+    class RanklensTrainerCallback(TrainerCallback):
         def __init__(self) -> None:
             self._marks = _Marks()
 

@@ -49,7 +49,7 @@ class Tracer:
         world_size: int,
         spool_dir: str,
         local_rank: int = -1,
-        coords: dict[str, int] | None = None,
+        coords: dict[str, int | None] | None = None,  # None: not known
         flush_interval_s: float = 0.5,
         max_buffered: int = 500_000,
         clock: Callable[[], int] = time.time_ns,
@@ -206,7 +206,7 @@ class Tracer:
         spool, replacing the previous dump of this rank. Returns the path, or None when torch has
         no flight recorder here. Never raises."""
         try:
-            from torch._C._distributed_c10d import _dump_fr_trace_json
+            from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # private
         except Exception:
             return None
         try:
@@ -358,7 +358,7 @@ class Tracer:
             if prof is not None:
                 prof.step_ended(n)
             try:
-                row = {**self._ident, "step": n, "start_ns": start, "end_ns": self.clock()}
+                row: dict[str, Any] = {**self._ident, "step": n, "start_ns": start, "end_ns": self.clock()}
                 self._last_progress = row["end_ns"]
                 if self.spans is not None:
                     phases, self._step_phases = self._step_phases, []

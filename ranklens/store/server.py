@@ -419,7 +419,7 @@ class ServerStore:
 
         cfg = self.config
         client = self._new_client(cfg.host, cfg.port, cfg.database)
-        end = object()
+        end: Any = object()  # the end-of-stream sentinel; rows are tuples
 
         def start(c: Any) -> tuple[Any, Any]:
             it = c.execute_iter(sql, with_column_types=True, settings={"max_block_size": batch_rows})

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -315,4 +315,4 @@ def _rows(data: Any) -> int:
     n = getattr(data, "num_rows", None)
     if n is not None:
         return int(n)
-    return len(data) if isinstance(data, Iterable) and hasattr(data, "__len__") else 1
+    return len(data) if isinstance(data, Iterable) and isinstance(data, Sized) else 1
