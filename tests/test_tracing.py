@@ -439,3 +439,70 @@ def test_mesh_dimension_names_map_to_coordinates():
     assert mesh_coords(Mesh(("pp", "tp"), (2, 2), [1, 0], root=object()), 4) is None  # a sub-mesh
     assert mesh_coords(Mesh(None, (4,), [1]), 4) is None  # no names
     assert mesh_coords(Mesh(("pp",), (4,), None), 4) is None  # this rank is not in it
+
+
+def test_init_registers_no_fork_hook_and_forked_children_reset(tmp_path, monkeypatch):
+    """issue 13: os.register_at_fork ran again at every init() with a strong reference to the
+    tracer. The hooks are registered once at import (weakly held); init() adds none."""
+    import ranklens.tracing as rlt
+
+    calls = []
+    monkeypatch.setattr(os, "register_at_fork", lambda **kw: calls.append(kw))
+    for _ in range(3):
+        t = rlt.init(job_id="j", spool_dir=str(tmp_path), rank=0, world_size=1, patch_distributed=False)
+        assert t is not None
+        rlt.shutdown()
+    assert calls == []
+    monkeypatch.undo()
+    t = rlt.init(job_id="j", spool_dir=str(tmp_path), rank=0, world_size=1, patch_distributed=False)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the tracer is off and its worker holds no task of the parent's
+            ok = not t.enabled and not t.worker._tasks and t.worker._tick_thread is None
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        rlt.shutdown()
+
+
+def test_one_worker_and_a_stuck_disk_never_stalls_the_watcher(tmp_path):
+    """The tracer's flush, watcher (and ring reader, CUDA timer) share one worker; the flush is a
+    queued job, so a spool write that hangs does not keep the 1 ms watcher from completing works,
+    and shutdown stays bounded."""
+    import threading
+
+    t = Tracer(job_id="j", attempt=0, rank=0, world_size=1, spool_dir=str(tmp_path), flush_interval_s=0.01)
+    writing, release = threading.Event(), threading.Event()
+    real_write = t._writer.write
+
+    def stuck_write(table, rows):
+        writing.set()
+        release.wait(30)
+        return real_write(table, rows)
+
+    t._writer.write = stuck_write
+    try:
+        assert writing.wait(10)  # a flush is stuck in the disk write
+
+        class Work:
+            done = False
+
+            def is_completed(self):
+                return self.done
+
+        w = Work()
+        t.watch(w, t.collective_entered("p2p", 1, "isend", 4, "f32", 1, True))
+        w.done = True
+        deadline = time.monotonic() + 10
+        while t._inflight and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not t._inflight, "the watcher did not complete the work while the flush was stuck"
+        names = {th.name for th in threading.enumerate()}
+        assert "ranklens-flush" not in names and "ranklens-watch" not in names
+        assert {"ranklens-trace-tick", "ranklens-trace-jobs"} <= names
+        t0 = time.monotonic()
+        t.shutdown(timeout_s=0.5)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        release.set()

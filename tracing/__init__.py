@@ -229,8 +229,10 @@ def init(
                 tracer.autostep = None
                 log.exception("ranklens: could not install step inference; unmarked steps stay unknown")
         _tracer = tracer
+        # once per process however often init() runs (the fork hook is the tracer module's own,
+        # registered once at import with weak references: issue 13)
+        atexit.unregister(shutdown)
         atexit.register(shutdown)
-        os.register_at_fork(after_in_child=tracer._after_fork_in_child)
         return tracer
     except Exception:
         log.exception("ranklens: tracing could not start; training continues untraced")

@@ -131,7 +131,7 @@ class Ledger:
         self.recovered = 0  # overwritten entries whose wrapped calls got their seqs back
         self.poll_s = poll_s
         self._poll_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._task: Any = None  # the tracer's worker task (ranklens._worker.Task)
         # a read that keeps failing says so once, then counts (issue 22, defect 8)
         self._read_failures = FailureLog(log, "ranklens: reading torch's flight-recorder ring failed")
 
@@ -145,17 +145,19 @@ class Ledger:
         return ledger
 
     def start(self) -> None:
-        """Poll from a thread of its own (the tracer's flush interval is too slow for a busy ring);
-        it stops with the tracer."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="ranklens-ring", daemon=True)
-            self._thread.start()
+        """Poll every ``poll_s`` as a task on the tracer's background worker (the tracer's flush
+        interval is too slow for a busy ring); it stops with the tracer."""
+        if self._task is None:
+            self._task = self.t.worker.every(self.poll_s, self._tick, name="ring")
 
-    def _run(self) -> None:
-        stop = self.t._stop
-        while not stop.wait(self.poll_s):
-            if self.t.enabled:
-                self.poll(self.t.clock())
+    def stop(self) -> None:
+        """No more periodic reads (the tracer's final flush still does a forced one)."""
+        if self._task is not None:
+            self._task.cancel()
+
+    def _tick(self) -> None:
+        if self.t.enabled and not self.t._stop.is_set():
+            self.poll(self.t.clock())
 
     # -- the hot path (the caller's thread) ------------------------------------------------
     def covers(self, pg: str, group: Any, c10d: Any) -> bool:

@@ -11,14 +11,15 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ranklens._worker import IDLE, Task, Worker
 from ranklens.config import node_name
 from ranklens.formats.process import pid_namespace
 from ranklens.formats.spool import SpoolWriter
-from ranklens.tracing._cpu import make_sampler as make_cpu_sampler
 from ranklens.tracing._failures import FailureLog
 
 __all__ = ["Tracer"]
@@ -26,7 +27,7 @@ __all__ = ["Tracer"]
 log = logging.getLogger("ranklens.tracing")
 
 FR_SIGNAL_KEY = "ranklens/fr_dump_signal"
-TABLES = ("collectives", "steps", "phases", "process_groups", "ranks", "heartbeats", "cpu", "drops")
+TABLES = ("collectives", "steps", "phases", "process_groups", "ranks", "heartbeats", "drops")
 
 
 class Tracer:
@@ -38,6 +39,8 @@ class Tracer:
         flush_interval_s: how often the background thread writes segments.
         max_buffered: rows held in memory at most; beyond it rows are dropped and counted.
         clock: returns epoch nanoseconds (injectable for tests).
+        worker: the background worker that runs the flush, the completion watcher, the ring reader
+            and the CUDA timer (default: one of the tracer's own, closed by :meth:`shutdown`).
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class Tracer:
         fr_interval_s: float = 0.0,
         store: Any = None,
         fr_signal_poll_s: float = 2.0,
+        worker: Worker | None = None,
     ) -> None:
         self.job_id = job_id
         self.attempt = attempt
@@ -114,8 +118,6 @@ class Tracer:
             **{k: int(v) for k, v in (coords or {}).items() if k in ("pp", "tp", "dp") and v is not None},
         }
         self.add("ranks", dict(self._rank_row))
-        # the training thread's scheduler counters (host CPU contention vs a straggler: tracing/_cpu.py)
-        self._cpu = make_cpu_sampler(self._ident, self._host, self.count_drop)
         self.profiler: Any = None  # ranklens.tracing.profiler.ProfilerWindows, set by init()
         self._cuda_timer: Any = None
         self.clock_error_ns = 0  # worst host/device clock mapping error seen (CUDA timing)
@@ -123,10 +125,15 @@ class Tracer:
         self.autostep: Any = None  # ranklens.tracing._autostep.AutoStep, set by init(): inferred steps
         self._step_phases: list[tuple[str, int, int]] = []
         self._pending: list[tuple[Any, dict[str, Any]]] = []
-        self._pending_cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="ranklens-flush", daemon=True)
-        self._thread.start()
-        self._watcher: threading.Thread | None = None
+        self._pending_lock = threading.Lock()
+        # ONE background worker (ranklens/_worker.py) for the flush, the 1 ms completion watcher,
+        # the ring reader and the CUDA timer. The flush is a blocking task (a queued job): a slow
+        # disk delays the next flush, never the watcher's cadence.
+        self._owns_worker = worker is None
+        self.worker = worker if worker is not None else Worker("ranklens-trace", max_queue=64)
+        self._flush_task = self.worker.every(max(flush_interval_s, 0.001), self._run, name="flush", blocking=True)
+        self._watch_task: Task | None = None
+        _TRACERS.add(self)
 
     # -- buffering ------------------------------------------------------------------------
     def add(self, table: str, row: dict[str, Any]) -> None:
@@ -154,8 +161,6 @@ class Tracer:
             rows = self._take()
             now = self.clock()
             rows.append(("heartbeats", self._heartbeat(now)))
-            if self._cpu is not None and (cpu := self._cpu.sample(now)) is not None:
-                rows.append(("cpu", cpu))
             self._maybe_dump_fr(now)
             for what, n in (self._drops - self._drops_reported).items():
                 rows.append(
@@ -285,11 +290,11 @@ class Tracer:
         }
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self.flush()
-            except Exception as e:  # never let the flusher die silently (nor flood: see FailureLog)
-                self._flush_failures.failed(e, traceback=True)
+        """One periodic flush (a job on the worker's job thread)."""
+        try:
+            self.flush()
+        except Exception as e:  # never let the flusher fail silently (nor flood: see FailureLog)
+            self._flush_failures.failed(e, traceback=True)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the background thread and write what is left (bounded by ``timeout_s``)."""
@@ -305,30 +310,46 @@ class Tracer:
                 self.profiler.close()
             except Exception:
                 log.exception("ranklens: closing the profiler failed")
-        with self._pending_cv:
-            self._pending_cv.notify_all()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
-        if self._watcher is not None and threading.current_thread() is not self._watcher:
-            self._watcher.join(timeout_s)
-        for _work, _row in self._pending:  # never completed: record the arrival anyway
-            self.add("collectives", _row)
-        try:
-            self.flush()
-        except Exception as e:
-            self._flush_failures.failed(e, traceback=True)
+        self._flush_task.cancel()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        if self.ledger is not None:
+            self.ledger.stop()
+
+        def final() -> None:
+            with self._pending_lock:
+                pending, self._pending = self._pending, []
+            for _work, _row in pending:  # never completed: record the arrival anyway
+                self.add("collectives", _row)
+            self._run()
+
+        # the final flush runs on the worker's job thread, after a flush in progress: bounded by
+        # timeout_s even when the disk is stuck (the worker logs what did not finish)
+        if self._owns_worker:
+            self.worker.close(timeout_s, final=final)
+        else:
+            done = threading.Event()
+
+            def final_then_done() -> None:
+                final()
+                done.set()
+
+            if self.worker.submit(final_then_done, name="tracer-final-flush"):
+                done.wait(timeout_s)
         for failures in (self._spool_failures, self._flush_failures, self._fr_failures):
             failures.close()  # what the rate limit held back
         self.enabled = False
 
     def _after_fork_in_child(self) -> None:
-        # A forked child (e.g. a DataLoader worker) is not this rank: trace nothing there.
+        # A forked child (e.g. a DataLoader worker) is not this rank: trace nothing there (the
+        # worker itself is reset in the child by ranklens._worker's own at-fork hook).
         self.enabled = False
+        self._cuda_timer = None
         self._buf = []
         self._buf_lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._pending = []
-        self._pending_cv = threading.Condition()
+        self._pending_lock = threading.Lock()
 
     # -- steps and phases -------------------------------------------------------------------
     @property
@@ -460,7 +481,7 @@ class Tracer:
                 self.clock_error_ns = max(self.clock_error_ns, error_ns)
                 self.collective_completed(row, end_ns)
 
-            timer = self._cuda_timer = CudaEventTimer(torch.cuda, done, clock=self.clock)
+            timer = self._cuda_timer = CudaEventTimer(torch.cuda, done, worker=self.worker, clock=self.clock)
         return timer
 
     def collective_failed(self, row: dict[str, Any]) -> None:
@@ -476,38 +497,53 @@ class Tracer:
 
     def watch(self, work: Any, row: dict[str, Any], max_pending: int = 10_000) -> None:
         """Complete ``row`` when ``work.is_completed()`` turns true (for Work objects without a
-        future, e.g. gloo isend/irecv). A watcher thread polls every millisecond while anything
-        is pending and sleeps otherwise; the caller never waits."""
-        with self._pending_cv:
+        future, e.g. gloo isend/irecv). A 1 ms task on the worker polls while anything
+        is pending and is idle otherwise; the caller never waits."""
+        if not self.enabled:
+            return
+        with self._pending_lock:
             if len(self._pending) >= max_pending:
                 self._drops["collectives:pending_full"] += 1
                 return
             self._pending.append((work, row))
-            if self._watcher is None:
-                self._watcher = threading.Thread(target=self._watch_loop, name="ranklens-watch", daemon=True)
-                self._watcher.start()
-            self._pending_cv.notify()
+            task = self._watch_task
+            if task is None:
+                task = self._watch_task = self.worker.every(0.001, self._watch_tick, name="watch")
+        task.wake()
 
-    def _watch_loop(self) -> None:
-        while not self._stop.is_set():
-            with self._pending_cv:
-                while not self._pending and not self._stop.is_set():
-                    self._pending_cv.wait(0.5)
-                # take the list: watch() appends to a new one meanwhile (appending to the list being
-                # checked lost a row registered between the check and the merge below)
-                pending, self._pending = self._pending, []
-            still = []
-            for work, row in pending:
-                try:
-                    if work.is_completed():
-                        self.collective_completed(row)
-                    else:
-                        still.append((work, row))
-                except Exception:
-                    self._drops["collectives:watch_error"] += 1
-            with self._pending_cv:
-                self._pending = still + self._pending
-            time.sleep(0.001)
+    def _watch_tick(self) -> object:
+        """The watcher's tick: complete the works that finished; idle when nothing is pending."""
+        with self._pending_lock:
+            # take the list: watch() appends to a new one meanwhile (appending to the list being
+            # checked lost a row registered between the check and the merge below)
+            pending, self._pending = self._pending, []
+        if not pending:
+            return IDLE
+        still = []
+        for work, row in pending:
+            try:
+                if work.is_completed():
+                    self.collective_completed(row)
+                else:
+                    still.append((work, row))
+            except Exception:
+                self._drops["collectives:watch_error"] += 1
+        with self._pending_lock:
+            self._pending = still + self._pending
+            return None if self._pending else IDLE
 
     def count_drop(self, what: str, n: int = 1) -> None:
         self._drops[what] += n
+
+
+# A forked child is not the rank: one hook per process (registered at import, not at every init()),
+# holding the tracers by weak reference (issue 13: a strong reference per init() kept every tracer alive)
+_TRACERS: weakref.WeakSet[Tracer] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for tracer in list(_TRACERS):
+        tracer._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
