@@ -1,8 +1,10 @@
 """Records: one frozen dataclass per table, and the one place rows become Arrow batches.
 
-The dataclasses are generated from :mod:`ranklens.schema`, so a record and its table can never
-disagree. Rows travel as plain dicts keyed by column name (the tracer writes them as JSON Lines
-without importing anything heavy); :func:`to_arrow` validates and converts them.
+The dataclasses (``CollectivesRecord``, ``StepsRecord``, ...) are plain source generated from
+:mod:`ranklens.schema` by scripts/gen_records.py into :mod:`ranklens.formats.records_gen` (a type
+checker sees every field), and tests/test_records_gen.py fails when they drift from the schema.
+Rows travel as plain dicts keyed by column name (the tracer writes them as JSON Lines without
+importing anything heavy); :func:`to_arrow` validates and converts them.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ranklens.schema import TABLES, Column, Table, table
+from ranklens.formats import records_gen
+from ranklens.formats.records_gen import *  # noqa: F403  (the record classes, re-exported)
+from ranklens.formats.records_gen import RECORD_TYPES
+from ranklens.schema import Column, table
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 __all__ = [
-    "RECORD_TYPES",
     "arrow_schema",
     "check_value",
     "decode_replacing",
@@ -26,43 +30,8 @@ __all__ = [
     "record_type",
     "repair_utf8",
     "to_arrow",
+    *records_gen.__all__,
 ]
-
-
-def _class_name(table_name: str) -> str:
-    return "".join(part.capitalize() for part in table_name.split("_")) + "Record"
-
-
-def _make_record(t: Table) -> type:
-    fields: list[Any] = []
-    for c in t.columns:
-        if c.required:
-            fields.append((c.name, Any))
-    for c in t.columns:
-        if not c.required:
-            default = c.default_value()
-            if isinstance(default, list):
-                fields.append((c.name, Any, dataclasses.field(default_factory=list)))
-            else:
-                fields.append((c.name, Any, dataclasses.field(default=default)))
-
-    def to_row(self: Any) -> dict[str, Any]:
-        return {c.name: getattr(self, c.name) for c in t.columns}
-
-    cls = dataclasses.make_dataclass(
-        _class_name(t.name),
-        fields,
-        frozen=True,
-        kw_only=True,
-        namespace={"TABLE": t.name, "to_row": to_row, "__doc__": f"A row of `{t.name}`: {t.doc}."},
-    )
-    cls.__module__ = __name__
-    return cls
-
-
-RECORD_TYPES: dict[str, type] = {name: _make_record(t) for name, t in TABLES.items()}
-globals().update({cls.__name__: cls for cls in RECORD_TYPES.values()})
-__all__ += [cls.__name__ for cls in RECORD_TYPES.values()]
 
 
 def record_type(table_name: str) -> type:
