@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -26,7 +25,7 @@ pytest.importorskip("streamlit")
 pytest.importorskip("plotly")
 pytest.importorskip("websockets")
 
-from tests._sync import wait_until
+from tests._sync import free_port, wait_until
 from tests.cdp import Chromium, find_chromium
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,12 +59,6 @@ STATE_JS = """JSON.stringify((() => {
     text: document.body ? document.body.innerText.length : 0,
   };
 })())"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -111,23 +104,28 @@ def jobs(tmp_path_factory):
 def server(jobs, tmp_path_factory):
     from ranklens.dashboards.launch import start_dashboard
 
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("streamlit") / "server.log"
     with open(log_path, "wb") as log:
         proc = start_dashboard(jobs["url"], "127.0.0.1", port, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as r:
+                return r.read().strip() == b"ok"
+        except OSError:
+            return False
+
     try:
-        deadline = time.monotonic() + 300  # readiness: streamlit's start on a loaded machine
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as r:
-                    if r.read().strip() == b"ok":
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the dashboard server did not come up:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.3)
+        wait_until(  # readiness: streamlit's start on a loaded machine
+            healthy,
+            300,
+            "the dashboard server's health check",
+            interval_s=0.3,
+            procs=[proc],
+            detail=lambda: log_path.read_text()[-3000:],
+        )
         yield base
     finally:
         proc.terminate()
@@ -229,9 +227,10 @@ def test_auto_refresh_shows_new_data_without_a_reload(chromium_path, server, job
         store.write("steps", rows)
         want = f"steps {before.split(' ')[1].split('-')[0]}-{last + 3}"
         # query cache (10 s) + refresh period (5 s) + a page run, which a loaded machine makes slow
-        deadline = time.monotonic() + 180
-        got = before
-        while time.monotonic() < deadline and got != want:
-            time.sleep(1.0)
-            got = caption(browser)
-        assert got == want, f"the page still shows {got!r} (wanted {want!r}) without a reload"
+        wait_until(
+            lambda: caption(browser) == want,
+            180,
+            f"the page to show {want!r} without a reload",
+            interval_s=1.0,
+            detail=lambda: f"the page still shows {caption(browser)!r}",
+        )
