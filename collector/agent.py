@@ -69,7 +69,7 @@ from ranklens.collector.shipper import COMPACT_EVERY, Shipper, SpoolBudget, hold
 from ranklens.collector.tailer import LogSource, Tailer
 from ranklens.config import DEFAULT_SPOOL_DIR, ENV_COLLECTOR_FAULT, ENV_COLLECTOR_PREFIX, node_name
 from ranklens.errors import ConfigError
-from ranklens.store.api import Store
+from ranklens.store.api import Store, SupportsCompact
 
 __all__ = ["Agent", "AgentConfig", "load_config"]
 
@@ -450,10 +450,9 @@ class Agent:
             return r
         self.metrics.observe_ship(r)
         self._ship_passes += 1
-        compact = getattr(self.store, "compact", None)
-        if compact is not None and r.segments and self._ship_passes % COMPACT_EVERY == 0:
+        if isinstance(self.store, SupportsCompact) and r.segments and self._ship_passes % COMPACT_EVERY == 0:
             try:
-                compact()
+                self.store.compact()
             except Exception:
                 log.exception("ranklens collector: compaction failed (data is safe, parts stay)")
         self._spool_gauges()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ranklens.errors import StoreError
 from ranklens.schema import INGEST_ID, TABLES
-from ranklens.store.api import Store
+from ranklens.store.api import Store, SupportsDiscardIngest
 
 if TYPE_CHECKING:
     from ranklens.collector.shipper import ShipResult
@@ -118,10 +118,9 @@ def present(store: Store, table_name: str, ids: Sequence[int], job_ids: Sequence
 def discarder(store: Store, table_name: str, what: str) -> Callable[[str, list[int]], Any]:
     """The store's ``discard_ingest`` (removes the rows of batches it holds in part). Raises
     StoreError when the store has none."""
-    fn = getattr(store, "discard_ingest", None)
-    if fn is None:
+    if not isinstance(store, SupportsDiscardIngest):
         raise StoreError(f"{table_name}: the store holds part of {what} and cannot discard it")
-    return fn
+    return store.discard_ingest
 
 
 def settle(store: Store, doubtful: list[Segment], result: ShipResult) -> list[Segment]:

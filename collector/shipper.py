@@ -52,9 +52,9 @@ from ranklens.collector.settle import MAX_BLOCK_ROWS, Segment, blocks, ingest_id
 from ranklens.collector.ship_kineto import ship_traces
 from ranklens.config import node_name
 from ranklens.errors import IngestError, StoreError, StoreUnavailable
-from ranklens.formats.spool import COLLECTOR_DIR, safe_part
 from ranklens.formats.rows import read_jsonl
-from ranklens.store.api import Store
+from ranklens.formats.spool import COLLECTOR_DIR, safe_part
+from ranklens.store.api import Store, SupportsCompact
 
 __all__ = [
     "COLLECTOR_LOCK",
@@ -540,10 +540,9 @@ class Shipper:
             passes += 1
             if on_pass:
                 on_pass(r)
-            compact = getattr(self.store, "compact", None)
-            if compact is not None and (passes % COMPACT_EVERY == 0 or stopping):
+            if isinstance(self.store, SupportsCompact) and (passes % COMPACT_EVERY == 0 or stopping):
                 try:
-                    compact()
+                    self.store.compact()
                 except Exception:
                     log.exception("ranklens collector: compaction failed (data is safe, parts stay)")
             if stopping:
