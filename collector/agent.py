@@ -167,7 +167,7 @@ class AgentConfig:
     def state_path(self) -> Path:
         """Where the collector keeps its state (tailer offsets). The delivery journal is the spool's
         (``<spool>/_collector/state/shipping.json``): one for every shipper of the spool."""
-        from ranklens.collector.outbox import _safe
+        from ranklens.formats.spool import safe_part as _safe
 
         if self.state_dir:
             return Path(self.state_dir)

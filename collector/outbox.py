@@ -17,8 +17,6 @@ from ranklens.formats.spool import COLLECTOR_DIR, SpoolWriter, safe_part
 
 __all__ = ["COLLECTOR_DIR", "Outbox"]
 
-_safe = safe_part  # the shipper and the agent name the collector's directory with it
-
 
 class Outbox(SpoolWriter):
     """The node collector's spool writer: a :class:`SpoolWriter` of ``<spool>/_collector/<host>/`` (validated rows,
