@@ -9,7 +9,9 @@ presentation lives elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +22,9 @@ from ranklens.store.api import sql_escape as _esc
 
 __all__ = [
     "P2P_MARK",
+    "BlameCells",
     "BlameMatrix",
+    "blame_cells",
     "blame_offsets",
     "blame_sql",
     "collective_blame_sql",
@@ -136,13 +140,18 @@ def blame_sql(
     only_ranks: list[int] | None = None,
     offsets: dict[int, int] | None = None,
     windows: Windows | None = None,
+    *,
+    step_from: int | None = None,
+    step_to: int | None = None,
 ) -> str:
     """Per (last arriver, step): the collectives it was last at (:func:`collective_blame_sql`), each
-    with its last arrival and the mean wait of the other members. With ``windows`` (a job whose
-    collectives carry no step) the collectives without a step are taken and "step" is the window
-    (iteration) of the collective's first arrival."""
+    with its last arrival and the mean wait of the other members (only steps ``step_from..step_to``
+    when given). With ``windows`` (a job whose collectives carry no step) the collectives without a
+    step are taken and "step" is the window (iteration) of the collective's first arrival."""
     at_step = "c_step" if windows is None else windows.window_of_sql("first_enter_ns")
-    per_collective = collective_blame_sql(job_id, attempt, t0_ns, offsets, stepless=windows is not None)
+    per_collective = collective_blame_sql(
+        job_id, attempt, t0_ns, offsets, step_from=step_from, step_to=step_to, stepless=windows is not None
+    )
     inner = "\n".join("        " + line for line in per_collective.splitlines())
     return f"""
 SELECT last_rank, at_step, count() AS collectives,
@@ -285,14 +294,72 @@ def compute_blame(
     delay = np.zeros(shape)
     wait = np.zeros(shape)
     count = np.zeros(shape, dtype=np.int64)
-    # (newest_first_ns keeps the column a lambda reads from being pruned on ClickHouse 18.16)
-    for last, step, n, ends, delays, members, _newest in b.rows():
-        j = si.get(int(step))
+    for last, step, n, d, w in _cell_values(b.rows()):
+        j = si.get(step)
         if j is None:
             continue
-        i = ri[int(last)]
-        d = union_length(np.asarray(ends, dtype=np.float64), np.asarray(delays, dtype=np.float64)) / 1e9
+        i = ri[last]
         delay[i, j] += d
-        wait[i, j] += d * (float(members) - 1.0)
-        count[i, j] += int(n)
+        wait[i, j] += w
+        count[i, j] += n
     return BlameMatrix(job_id, attempt, ranks, steps, delay, wait, count, step_time, step_start, hosts, sql, basis)
+
+
+def _cell_values(rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[int, int, int, float, float]]:
+    """``(last rank, step, collectives, delay s, wait s)`` of each row of :func:`blame_sql`: the union
+    of the waits for the culprit (not their sum: they overlap), and that times the others' count."""
+    # (newest_first_ns keeps the column a lambda reads from being pruned on ClickHouse 18.16)
+    for last, step, n, ends, delays, members, _newest in rows:
+        d = union_length(np.asarray(ends, dtype=np.float64), np.asarray(delays, dtype=np.float64)) / 1e9
+        yield int(last), int(step), int(n), d, d * (float(members) - 1.0)
+
+
+@dataclass(frozen=True)
+class BlameCells:
+    """The blame of every (last arriver, step) with any, as parallel arrays (seconds): what
+    :class:`BlameMatrix` holds without the zeros, for one step window."""
+
+    ranks: np.ndarray
+    steps: np.ndarray
+    collectives: np.ndarray
+    delay_s: np.ndarray
+    wait_s: np.ndarray
+    sql: str
+
+
+def blame_cells(
+    store: Store,
+    job_id: str,
+    attempt: int = 0,
+    *,
+    step_from: int | None = None,
+    step_to: int | None = None,
+    t0_ns: int | None = None,
+    align: bool = True,
+) -> BlameCells:
+    """The blame per (last arriver, step) of steps ``step_from..step_to``, aligned and aggregated as
+    :func:`compute_blame` does (the dashboards' culprit tables and heat maps read it).
+
+    Args:
+        t0_ns: a time near the job's start (default: its first arrival) that keeps Float64 exact.
+        align: align host clocks (:func:`blame_offsets`).
+    """
+    if t0_ns is None:
+        t0_ns = int(
+            store.query(
+                f"SELECT min(enter_ns) FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+            ).scalar()
+            or 0
+        )
+    offsets = blame_offsets(store, job_id, attempt) if align else None
+    sql = blame_sql(job_id, attempt, int(t0_ns), offsets=offsets, step_from=step_from, step_to=step_to)
+    cells = list(_cell_values(store.query(sql).rows()))
+    cols = list(zip(*cells)) if cells else [(), (), (), (), ()]
+    return BlameCells(
+        ranks=np.asarray(cols[0], dtype=np.int64),
+        steps=np.asarray(cols[1], dtype=np.int64),
+        collectives=np.asarray(cols[2], dtype=np.int64),
+        delay_s=np.asarray(cols[3], dtype=np.float64),
+        wait_s=np.asarray(cols[4], dtype=np.float64),
+        sql=sql,
+    )

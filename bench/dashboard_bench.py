@@ -3,9 +3,9 @@
     python bench/dashboard_bench.py [--ranks 10240] [--steps 50] [--ranks-per-node 8] [--store DIR]
                                     [--server clickhouse://default@127.0.0.1:9000/db] [--no-apptest]
 
-Writes a simulated job (numpy/pyarrow rows: ranks on nodes, steps, phases, four collectives per rank
-and step, heartbeats, GPU samples, log lines; one straggler rank and one slow node) into a fresh
-store, runs the straggler analyzer on it, then per page:
+Writes a simulated job (``ranklens.simulate`` with telemetry: ranks on nodes, steps, phases, the
+tensor- and data-parallel collectives, heartbeats, GPU samples, log lines; one straggler rank and one
+slow node link) into a fresh store, runs the straggler analyzer on it, then per page:
 
 * the queries the page runs (uncached) and the Plotly figures it builds, with the cells/points
   and the JSON bytes sent to the browser;
@@ -32,7 +32,7 @@ import plotly.graph_objects as go
 
 from ranklens.dashboards import charts
 from ranklens.dashboards import queries as q
-from ranklens.dashboards.simulate import SimulatedJob, simulate_job
+from ranklens.simulate import SimResult, simulate
 from ranklens.store import open_store
 from ranklens.store.api import Store
 
@@ -204,13 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slow = args.ranks // 3 + 1
         t = time.perf_counter()
-        sim: SimulatedJob = simulate_job(
+        sim: SimResult = simulate(
             store,
             ranks=args.ranks,
             steps=args.steps,
+            tp=args.ranks_per_node,  # a node is a tensor-parallel group; data parallel across nodes
             ranks_per_node=args.ranks_per_node,
-            slow_rank=slow,
-            slow_link_node=(args.ranks // args.ranks_per_node) // 2,
+            faults=[f"slow_gpu:{slow}:1.4@5", f"slow_link:{(args.ranks // args.ranks_per_node) // 2}:4"],
+            telemetry=True,
+            gpu_sample_s=5.0,
         )
         total = sum(sim.rows.values())
         print(f"simulate  {args.ranks:,} ranks x {args.steps} steps: {total:,} rows in {time.perf_counter() - t:.1f} s")

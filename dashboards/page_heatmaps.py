@@ -1,4 +1,4 @@
-"""Heat maps: rank (or node, or rank bucket) x step of step time, per-phase time, blame and wait.
+"""Heat maps: rank (or node, or rank bucket) x step of step time, per-phase time, compute, blame and wait.
 
 MegaScale's straggler view: one hot row is a straggler, one hot column a slow step. Large jobs are
 aggregated in the store (``max`` by default, so a straggler stays visible in its node's row).
@@ -17,6 +17,7 @@ MAX_STEPS = 400
 METRIC_LABELS = {
     "step_time": "step time",
     "phase_time": "time in one phase",
+    "compute": "compute: step time minus time in collectives (the straggler metric)",
     "blame": "blame: time the others waited for this rank",
     "wait": "wait: time this rank waited for others",
 }

@@ -31,8 +31,8 @@ SLOW = 2
 @pytest.fixture(scope="module")
 def dash_store(tmp_path_factory):
     """One real demo job (shared by every test here) plus the extra rows the other pages show."""
-    from ranklens.dashboards.simulate import simulate_job
     from ranklens.demo import run_demo
+    from ranklens.simulate import simulate
     from ranklens.store import open_store
 
     store = open_store(f"embedded://{tmp_path_factory.mktemp('dash') / 'store'}")
@@ -105,7 +105,9 @@ def dash_store(tmp_path_factory):
             }
         ],
     )
-    hung = simulate_job(store, ranks=16, steps=6, ranks_per_node=4, hang_rank=6, job_id="sim-hung-job")
+    hung = simulate(
+        store, ranks=16, steps=6, tp=4, ranks_per_node=4, telemetry=True, hang_rank=6, job_id="sim-hung-job"
+    )
     return {"url": store.url, "job": demo.job_id, "finding": finding, "hung": hung}
 
 

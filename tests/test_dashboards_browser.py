@@ -75,12 +75,22 @@ def chromium_path() -> str:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     from ranklens.analyzers import find_stragglers, save_findings
-    from ranklens.dashboards.simulate import simulate_job
+    from ranklens.simulate import simulate
     from ranklens.store import open_store
 
     store = open_store(f"embedded://{tmp_path_factory.mktemp('browser') / 'store'}")
-    hung = simulate_job(store, ranks=16, steps=6, ranks_per_node=4, hang_rank=6, job_id="sim-hung")
-    job = simulate_job(store, ranks=64, steps=30, ranks_per_node=8, slow_rank=SLOW, slow_link_node=3)
+    hung = simulate(store, ranks=16, steps=6, tp=4, ranks_per_node=4, telemetry=True, hang_rank=6, job_id="sim-hung")
+    job = simulate(
+        store,
+        ranks=64,
+        steps=30,
+        pp=2,
+        tp=8,
+        ranks_per_node=8,
+        faults=[f"slow_gpu:{SLOW}:1.4@5", "slow_link:3:4"],
+        telemetry=True,
+        gpu_sample_s=1.0,
+    )
     findings = find_stragglers(store, job.job_id, 0)
     assert findings and findings[0].suspects[0].rank == SLOW
     save_findings(store, findings)

@@ -18,11 +18,11 @@ APP = Path(__file__).resolve().parents[1] / "dashboards" / "app.py"
 
 @pytest.fixture(scope="module")
 def store_url(tmp_path_factory):
-    from ranklens.dashboards.simulate import simulate_job
+    from ranklens.simulate import simulate
     from ranklens.store import open_store
 
     store = open_store(f"embedded://{tmp_path_factory.mktemp('gpulogs') / 'store'}")
-    job = simulate_job(store, ranks=4, steps=6, ranks_per_node=2, job_id="job-ranks")
+    job = simulate(store, ranks=4, steps=6, ranks_per_node=2, telemetry=True, job_id="job-ranks")
     t = int(store.query("SELECT min(start_ns) FROM steps").scalar())
     store.write(
         "log_events",

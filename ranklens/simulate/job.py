@@ -46,6 +46,8 @@ class SimResult:
         truth: the ground truth (JSON-ready dict; see the module docstring).
         rows: rows generated per table.
         seconds: wall time of the simulation, writes included.
+        files: the files written under ``out_dir``.
+        first_ns, last_ns: the first step's start and the last step's end (epoch ns, true clock).
     """
 
     job_id: str
@@ -53,6 +55,8 @@ class SimResult:
     rows: dict[str, int]
     seconds: float
     files: tuple[str, ...] = field(default=())
+    first_ns: int = 0
+    last_ns: int = 0
 
     @property
     def ranks(self) -> int:
@@ -302,7 +306,15 @@ def simulate(
         truth["culprit_ranks"] = sorted({*truth["culprit_ranks"], int(hang_rank)})
         truth["healthy"] = False
     truth["rows"] = dict(rows)
-    result = SimResult(job_id, truth, rows, time.perf_counter() - t_begin, tuple(files))
+    result = SimResult(
+        job_id,
+        truth,
+        rows,
+        time.perf_counter() - t_begin,
+        tuple(files),
+        first_ns=engine.step_start_ns(0),
+        last_ns=engine.start_ns + int(engine.t.max()),
+    )
     if sink is not None:
         files.append(str(result.write_truth(sink.dir / "truth.json")))
         result = replace(result, files=tuple(files))
