@@ -208,6 +208,14 @@ class SpoolWriter:
                 break
             except FileExistsError:
                 final = self.dir / self._next_name(name.split(".", 1)[0])
+            except OSError:
+                # a file system without hard links (EPERM, ENOTSUP): a rename into a free name
+                # (the names are this writer's own, the check is not raced by another writer)
+                if final.exists():
+                    final = self.dir / self._next_name(name.split(".", 1)[0])
+                    continue
+                os.replace(hidden, final)
+                return final
         os.unlink(hidden)
         return final
 
