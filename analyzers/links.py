@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ranklens.analyzers.blame import P2P_MARK
 from ranklens.analyzers.contention import Contention, discount_links
 from ranklens.analyzers.findings import Finding, Severity, Suspect, finding_id
 from ranklens.analyzers.ranks import rank_hosts
@@ -64,7 +65,6 @@ __all__ = [
 DEFAULT_MIN_BYTES = 1 << 18  # 256 KiB: below it a transfer is latency, not bandwidth
 DEFAULT_MAX_WINDOWS = 20
 CRITICAL_PCT = 20.0
-P2P_MARK = "/p2p:"
 
 #: bus bytes per input byte, as a function of the group size ``n`` (documented above)
 BUS_FACTORS: dict[str, str] = {
