@@ -353,6 +353,7 @@ def test_shipping_loop_spans_when_asked(tmp_path, embedded_store):
     assert Agent(_config(tmp_path, nvml=False, logs=()), store=embedded_store).shipper.tracer is None  # off by default
 
 
+@pytest.mark.e2e
 def test_per_rank_step_time_and_collective_wait_from_a_real_job(tmp_path, embedded_store):
     """A real 2-rank gloo job (rank 1 slowed 3x from step 0): the collector's /metrics shows per-rank
     step time, time blocked in collectives (the fast rank waits for the slow one) and heartbeats."""
