@@ -4,7 +4,9 @@ The tracer builds its rows as plain dicts on the training thread (no validation 
 cost the hot path). Two checks keep those hand-written keys honest, at no cost to training:
 
 - statically, every dict literal that ``tracing/`` hands to ``add("<table>", {...})`` or queues as
-  ``("<table>", {...})`` names only columns of that table (a typo in a path no test runs fails too);
+  ``("<table>", {...})`` names only columns of that table, and every other row literal (one with
+  ``job_id`` or the tracer's identity spread into it) fits some table (a typo in a path no test runs
+  fails too);
 - at run time, a tracer driven through steps, phases, collectives (completed, failed, in flight),
   process groups, coordinates, drops and its heartbeat writes segments that the strict reader of the
   open format accepts: no unknown key, no missing required column, every value of the column's type.
@@ -58,6 +60,28 @@ def test_the_tracers_row_literals_name_columns_of_their_table():
             continue
         wrong += [f"{file}:{line}: {k!r} is not a column of {table}" for k in keys if not TABLES[table].has_column(k)]
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_row_built_in_tracing_fits_a_table():
+    # rows built in one place and added in another (``row = {**self._ident, ...}``, a heartbeat
+    # returned by a method): the table is not in the literal, but a typo still fits no table at all
+    rows = []
+    for path in sorted(TRACING.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Dict):
+                continue
+            keys = [k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+            spreads = [ast.unparse(v) for k, v in zip(node.keys, node.values) if k is None]
+            if "job_id" in keys or any(s.endswith("._ident") for s in spreads):
+                rows.append((path.name, node.lineno, keys))
+    assert len(rows) >= 10, rows  # the scan sees the tracer's rows (steps, phases, collectives, heartbeats ...)
+    misfits = [
+        f"{file}:{line}: {keys} fit no table"
+        for file, line, keys in rows
+        if not any(all(t.has_column(k) for k in keys) for t in TABLES.values())
+    ]
+    assert not misfits, "\n".join(misfits)
+    assert all(TABLES["ranks"].has_column(c) for c in ("pp", "tp", "dp"))  # the coordinates set_coords writes
 
 
 def test_the_tables_the_tracer_writes_are_tables_of_the_schema():
