@@ -22,10 +22,12 @@ def installed() -> bool:
 
 
 class ClickHouseServer:
-    """A clickhouse-server of our own in ``root``, to start, stop and kill."""
+    """A clickhouse-server of our own in ``root``, to start, stop and kill; :attr:`url` names
+    ``database`` on it (none: the URL without a database)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, database: str = "") -> None:
         self.dir = Path(root)
+        self.database = database
         self.tcp, self.http = free_port(), free_port()
 
     def _run(self, cmd: str) -> None:
@@ -57,5 +59,6 @@ class ClickHouseServer:
         wait_until(gone, 30, f"the killed clickhouse-server (pid {pid}) to exit", interval_s=0.1)
         (self.dir / "pid").unlink()
 
-    def url(self, database: str = "") -> str:
-        return f"clickhouse://default@127.0.0.1:{self.tcp}" + (f"/{database}" if database else "")
+    @property
+    def url(self) -> str:
+        return f"clickhouse://default@127.0.0.1:{self.tcp}" + (f"/{self.database}" if self.database else "")

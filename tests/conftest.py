@@ -44,7 +44,7 @@ def server_base() -> str:
             _session_server["error"] = str(e)
     if "error" in _session_server:
         raise RuntimeError(f"the session's clickhouse-server did not start: {_session_server['error']}")
-    return _session_server["server"].url()
+    return _session_server["server"].url
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -12,11 +12,11 @@ the collector filters at the source (one marker per line), so "exactly once" is 
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from ranklens.formats.spool import SpoolWriter
+from tests._clickhouse import ClickHouseServer
 from tests._sync import wait_until
 from tests.conftest import REQUIRE_SERVER
 
@@ -38,50 +39,8 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 READY_S = 180.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """A throw-away clickhouse-server of our own (scripts/clickhouse.sh), to stop and start."""
-
-    def __init__(self, root: Path) -> None:
-        self.dir = root
-        self.tcp, self.http = _free_port(), _free_port()
-
-    def _run(self, cmd: str) -> None:
-        env = dict(os.environ, RANKLENS_CH_TCP_PORT=str(self.tcp), RANKLENS_CH_HTTP_PORT=str(self.http))
-        r = subprocess.run(
-            ["bash", str(ROOT / "scripts/clickhouse.sh"), cmd, str(self.dir)], env=env, capture_output=True, text=True
-        )
-        assert r.returncode == 0, r.stderr + r.stdout
-
-    def start(self) -> None:
-        self._run("start")
-
-    def stop(self) -> None:
-        self._run("stop")
-
-    def kill(self) -> None:
-        """SIGKILL: the server dies mid-insert, with no chance to finish or refuse anything."""
-        import signal as _signal
-
-        pid = int((self.dir / "pid").read_text())
-        os.kill(pid, _signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
-        (self.dir / "pid").unlink()
-
-    @property
-    def url(self) -> str:
-        return f"clickhouse://default@127.0.0.1:{self.tcp}/rl_exactly_once"
+# a throw-away clickhouse-server of our own (tests/_clickhouse.py), to stop, kill and start
+Server = functools.partial(ClickHouseServer, database="rl_exactly_once")
 
 
 def _need_clickhouse_server() -> None:
