@@ -151,7 +151,6 @@ class Worker:
         self._dropped = 0
         self._errors: collections.Counter[str] = collections.Counter()
         self._overruns: collections.Counter[str] = collections.Counter()
-        self._pid = os.getpid()
 
     # -- registering work (any thread) ---------------------------------------------------------
     def every(
@@ -216,8 +215,6 @@ class Worker:
 
     # -- threads (started lazily, under self._lock) -----------------------------------------------
     def _ensure_tick(self) -> None:
-        if self._pid != os.getpid():  # forked without the hook (should not happen): start clean
-            self._after_fork_in_child()
         if self._tick_thread is None:
             self._tick_thread = threading.Thread(target=self._tick_loop, name=f"{self.name}-tick", daemon=True)
             self._tick_thread.start()
