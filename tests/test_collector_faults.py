@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from ranklens.formats.spool import SpoolWriter, header_line
+from tests._sync import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(240)
@@ -86,14 +87,6 @@ def _steps(spool: Path, job: str, ranks: int = 3, steps: int = 10) -> int:
 
 def _pending(spool: Path, under: str = "") -> list[Path]:
     return [p for p in (spool / under).rglob("*.jsonl") if "quarantine" not in p.parts and not p.name.startswith(".")]
-
-
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _quarantined(spool: Path) -> dict[str, str]:
@@ -249,7 +242,7 @@ def _collector(url: str, spool: Path, log: Path, **cfg: object) -> subprocess.Po
 def _ready(url: str, spool: Path) -> None:
     """Readiness: a segment written now reaches the store through the running collector."""
     _steps(spool, "ready", ranks=1, steps=1)
-    _wait(
+    wait_until(
         lambda: _q(url, "SELECT count() FROM steps WHERE job_id = 'ready'") == [(1,)], 90, "the collector's first pass"
     )
 
@@ -258,18 +251,21 @@ def _ready(url: str, spool: Path) -> None:
 def _frozen(p: subprocess.Popen, spool: Path):
     """SIGSTOP the collector between two passes (never while it holds the spool's ship lock)."""
     lock = spool / ".ranklens-ship.lock"
-    while True:
+
+    def stopped_between_passes() -> bool:
         os.kill(p.pid, signal.SIGSTOP)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.flock(fd, fcntl.LOCK_UN)
-            break
+            return True
         except BlockingIOError:
-            os.kill(p.pid, signal.SIGCONT)
-            time.sleep(0.02)
+            os.kill(p.pid, signal.SIGCONT)  # mid-pass: let it finish and try again
+            return False
         finally:
             os.close(fd)
+
+    wait_until(stopped_between_passes, 120, "the collector between two passes", interval_s=0.02, procs=[p])
     try:
         yield
     finally:
@@ -309,7 +305,7 @@ def test_one_off_collect_killed_after_its_store_write_next_to_a_running_collecto
             assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
             assert _q(store_url, "SELECT count() FROM collectives WHERE job_id = 'dup'") == [(n,)]
             assert len(_pending(spool, "dup")) == 5  # stored, not deleted: in doubt
-        _wait(lambda: not _pending(spool, "dup"), 90, "the running collector to settle the segments")
+        wait_until(lambda: not _pending(spool, "dup"), 90, "the running collector to settle the segments")
     finally:
         _stop(p, log)
     assert _q(store_url, "SELECT count(), uniqExact(seq) FROM collectives WHERE job_id = 'dup'") == [(n, n)]
@@ -336,7 +332,7 @@ def test_ranklens_run_next_to_a_running_collector_sends_nothing_twice(tmp_path, 
                 env=_env(RANKLENS_COLLECTOR_FAULT="kill_after_write:1"),
             )  # fmt: skip
             assert r.returncode in (0, -signal.SIGKILL), r.stderr[-3000:]
-        _wait(lambda: not _pending(spool, "rundup"), 90, "the spool to drain")
+        wait_until(lambda: not _pending(spool, "rundup"), 90, "the spool to drain")
     finally:
         _stop(p, log)
     assert _q(store_url, "SELECT count(), uniqExact(seq) FROM collectives WHERE job_id = 'rundup'") == [(50, 50)]
@@ -519,8 +515,8 @@ def test_disk_budget_holds_as_data_arrives_while_the_store_is_down(tmp_path, sto
             with _Writer(spool, rate) as w:
                 time.sleep(20)  # passes back off for seconds by now; data keeps arriving
             ctl["up"]()
-            _wait(lambda: not _pending(spool, "budget"), 120, "the spool to drain after the store came back")
-            _wait(
+            wait_until(lambda: not _pending(spool, "budget"), 120, "the spool to drain after the store came back")
+            wait_until(
                 lambda: _q(url, "SELECT count() FROM steps WHERE job_id = 'budget'")[0][0] >= w.rows["steps"],
                 120,
                 "the last steps in the store",
