@@ -68,3 +68,15 @@ def test_cross_package_names_are_real_types_and_the_tree_passes(tmp_path: Path) 
     assert shipper.endswith('-> ranklens.collector.shipper.Shipper"'), shipper
     assert "ranklens.analyzers.findings.Finding" in kind_of and "Any" not in kind_of, kind_of
     assert proc.returncode == 0, f"the tree does not type-check:\n{out}"
+
+
+def test_the_ground_floor_is_strict() -> None:
+    from mypy.main import process_options
+
+    _, options = process_options(["--config-file", str(ROOT / "pyproject.toml"), str(ROOT / "ranklens" / "errors.py")])
+    strict = ("disallow_untyped_defs", "disallow_any_generics", "warn_return_any", "disallow_untyped_calls")
+    ground = ("ranklens.errors", "ranklens.config", "ranklens.schema", "ranklens.records", "ranklens.formats.spool")
+    for module in ground:
+        per_module = options.clone_for_module(module)
+        assert all(getattr(per_module, flag) for flag in strict), (module, {f: getattr(per_module, f) for f in strict})
+    assert not options.clone_for_module("ranklens.cli").disallow_untyped_defs  # the app floors are not (yet)
