@@ -152,9 +152,12 @@ def _round_trip_findings():
 
 def test_finding_row_finding_is_identity_for_rank_node_and_link_findings():
     from ranklens.analyzers.findings import finding_from_row
+    from ranklens.schema import TABLES
 
     for f in _round_trip_findings():
         row = f.to_row()
+        # one row shape: every column of the table but the store's ingest_id, nothing else
+        assert set(row) == set(TABLES["findings"].column_names) - {"ingest_id"}
         assert finding_from_row(row) == f
         assert finding_from_row(json.loads(json.dumps(row))) == f  # as a JSON-Lines ingest would give it
 
