@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from ranklens.cli import cli
-from tests._sync import wait_for_file
+from tests._sync import wait_for_file, wait_until
 from tests.helpers import synthetic_job
 
 SCRIPT = Path(__file__).with_name("hang_job.py")
@@ -49,14 +49,9 @@ def _stop(proc: subprocess.Popen, readers: list[threading.Thread]) -> None:
     proc.stderr.close()
 
 
-def _until(cond, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"analyze --follow exited ({proc.returncode}) while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.1)
+def _until(cond, timeout_s: float, what: str, proc: subprocess.Popen) -> None:
+    """``cond`` within ``timeout_s``; ``analyze --follow`` (``proc``) exiting fails the wait at once."""
+    wait_until(cond, timeout_s, f"{what} (from analyze --follow)", interval_s=0.1, procs=[proc])
 
 
 def test_follow_started_before_the_job_waits_for_it(tmp_path):
