@@ -16,6 +16,7 @@ analyzers/, dashboards/):
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -42,9 +43,14 @@ def _env_constants() -> dict[str, str]:
     return {k: v for k, v in vars(config).items() if k.startswith("ENV_") and isinstance(v, str)}
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
 def _literal_names(path: Path) -> list[tuple[int, str]]:
     """(line, literal) for every string literal that is exactly an environment variable name."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    tree = _tree(path)
     return [
         (node.lineno, node.value)
         for node in ast.walk(tree)
@@ -103,3 +109,30 @@ def test_config_reads_nothing_at_import_time() -> None:
             continue
         reads = [n for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv")]
         assert not reads, f"config.py reads the environment at import time: {ast.unparse(node)}"
+
+
+def _module_level_reads(path: Path) -> list[int]:
+    """Lines of module- or class-level statements (run at import) that touch os.environ/getenv."""
+    out = []
+    stack = list(_tree(path).body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.ClassDef):
+            stack.extend(node.body)
+            continue
+        if any(isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv") for n in ast.walk(node)):
+            out.append(node.lineno)
+    return out
+
+
+def test_no_package_module_reads_the_environment_at_import() -> None:
+    # the bootstrap is the exception by design: it is the interpreter's startup hook
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in _package_files()
+        if path != BOOTSTRAP
+        for line in _module_level_reads(path)
+    ]
+    assert not offenders, "read it when the component is built, not at import:\n" + "\n".join(offenders)
