@@ -20,6 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests._sync import wait_until
+
 CHROMIUM_FLAGS = (
     "--headless",
     "--no-sandbox",
@@ -84,28 +86,24 @@ class Chromium:
 
     def _wait_port(self, timeout_s: float) -> int:
         marker = self.profile / "DevToolsActivePort"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"chromium exited with {self.proc.returncode} before it listened")
+
+        def port() -> int:  # chromium writes the port it listens on into the marker file
             try:
-                first = marker.read_text().splitlines()[0]
-                return int(first)
+                return int(marker.read_text().splitlines()[0])
             except (OSError, IndexError, ValueError):
-                time.sleep(0.1)
-        raise TimeoutError("chromium did not open its DevTools port")
+                return 0
+
+        return wait_until(port, timeout_s, "chromium's DevTools port", interval_s=0.1, procs=[self.proc])
 
     @staticmethod
     def _page_ws(port: int, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def page() -> str:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=5) as r:
                 targets = json.load(r)
             pages = [t for t in targets if t.get("type") == "page" and t.get("webSocketDebuggerUrl")]
-            if pages:
-                return str(pages[0]["webSocketDebuggerUrl"])
-            time.sleep(0.1)
-        raise TimeoutError("chromium has no page target")
+            return str(pages[0]["webSocketDebuggerUrl"]) if pages else ""
+
+        return wait_until(page, timeout_s, "a chromium page target", interval_s=0.1)
 
     def call(self, method: str, params: dict[str, Any] | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
         """Send one CDP command and return its result (events in between are skipped)."""

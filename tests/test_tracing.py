@@ -14,6 +14,7 @@ import pytest
 
 from ranklens.collector import Shipper
 from ranklens.tracing.tracer import Tracer
+from tests._sync import wait_until
 
 
 class FakeClock:
@@ -393,9 +394,13 @@ def test_watched_works_registered_while_the_watcher_checks_are_never_lost(tmp_pa
         th.join()
     for w in works:
         w.done = True
-    deadline = time.monotonic() + 20
-    while (t._pending or t._inflight) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(
+        lambda: not (t._pending or t._inflight),
+        20,
+        "the watcher to record every completed work",
+        interval_s=0.01,
+        detail=lambda: f"{len(t._pending)} pending, {len(t._inflight)} in flight",
+    )
     assert not t._inflight, f"{len(t._inflight)} completed works never recorded"
     with t._buf_lock:
         rows = [r for table_name, r in t._buf if table_name == "collectives"]
