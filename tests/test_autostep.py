@@ -61,6 +61,7 @@ def _by_step(phases: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
+@pytest.mark.slow
 def test_plain_loop_gets_steps_phases_and_collectives_stamped_with_their_step(traced, tmp_path):
     model, lossf = _model(), torch.nn.MSELoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -248,6 +248,7 @@ agent.run()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_kill_minus_9_and_restart_loses_no_log_event(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))

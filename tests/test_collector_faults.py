@@ -500,6 +500,7 @@ def _store_down(url: str, tmp_path: Path):
             server.stop()
 
 
+@pytest.mark.slow
 def test_disk_budget_holds_as_data_arrives_while_the_store_is_down(tmp_path, store_url):
     budget = 4 * 10**6
     rate = 1.0 * 10**6  # bytes/s into the spool (at most)

@@ -28,7 +28,7 @@ pytest.importorskip("websockets")
 from tests._sync import free_port, wait_until
 from tests.cdp import Chromium, find_chromium
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = Path(os.environ.get("RANKLENS_SCREENSHOT_DIR") or ROOT / "artifacts" / "dashboard-screenshots")

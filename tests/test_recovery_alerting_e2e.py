@@ -32,6 +32,9 @@ from ranklens.analyzers.recovery.testing import WebhookReceiver
 from ranklens.demo import run_demo
 from tests.recovery_helpers import SECRET, policy
 
+# both tests analyse a real 4-rank gloo job (run_demo)
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")

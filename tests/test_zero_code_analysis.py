@@ -66,6 +66,7 @@ def test_job_without_steps_is_listed_and_drawn(store):
     assert blame.groupby("rank")["delay_s"].sum().idxmax() == 1
 
 
+@pytest.mark.slow
 def test_report_says_what_is_missing(store, tmp_path):
     store.write_many(_stepless(slow_rank=None, steps=12))
     cov = analysis_coverage(store, "job-nosteps")
@@ -93,6 +94,7 @@ def test_explicit_steps_report_explicit(store):
     assert analysis_coverage(store, "marked").step_source == "explicit"
 
 
+@pytest.mark.slow
 def test_dashboard_pages_draw_a_job_without_steps(tmp_path, monkeypatch):
     pytest.importorskip("streamlit")
     from streamlit.testing.v1 import AppTest
