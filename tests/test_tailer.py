@@ -13,6 +13,7 @@ from ranklens.collector.outbox import Outbox
 from ranklens.collector.tailer import LogSource, Tailer
 from ranklens.errors import ConfigError
 from ranklens.formats.rows import read_jsonl
+from tests._sync import free_port, wait_until
 
 ERR = "RuntimeError: CUDA error: an illegal memory access was encountered"
 OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
@@ -347,7 +348,6 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
     """The real `ranklens collector`: an error line, then 200 MB without a newline while the
     collector runs, then the newline and another error line."""
     import signal
-    import socket
     import subprocess
     import sys
     import time
@@ -364,9 +364,7 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
         'host = "node-long"\nnvml = false\n'
     )
     root = Path(__file__).resolve().parents[1]
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
+    port = free_port()
     err_log = tmp_path / "collector.log"
     p = logs / "rank-0.log"
     _append(p, OOM + " ready")
@@ -390,13 +388,8 @@ def test_collector_with_a_200mb_line_without_newline_keeps_memory_flat_and_lines
         finally:
             s.close()
 
-    def wait_for(cond, what: str, timeout: float = 240.0) -> float:
-        t0 = time.monotonic()
-        while not cond():
-            assert proc.poll() is None, err_log.read_text()[-3000:]
-            assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}: {err_log.read_text()[-2000:]}"
-            time.sleep(0.1)
-        return time.monotonic() - t0
+    def wait_for(cond, what: str, timeout: float = 240.0) -> None:
+        wait_until(cond, timeout, what, interval_s=0.1, procs=[proc], detail=lambda: err_log.read_text()[-3000:])
 
     try:
         wait_for(lambda: OOM + " ready" in messages(), "the collector to store a first line")
