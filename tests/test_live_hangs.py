@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import pytest
 
 from ranklens.analyzers.live_hangs import HangConfig, detect_live_hangs
 from ranklens.collector import Shipper
-from tests._sync import wait_for_file, wait_until
+from tests._sync import free_port, wait_for_file, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 SCRIPT = Path(__file__).with_name("hang_job.py")
@@ -24,12 +23,6 @@ FAST = HangConfig(min_stall_s=2.0, heartbeat_stale_s=2.0)
 STARTUP_S = 300.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Job:
     def __init__(self, tmp_path: Path, mode: str, *, world: int = 4, rank: int = 1, step: int = 3, **extra: str):
         self.tmp_path, self.rank, self.step = tmp_path, rank, step
@@ -37,7 +30,7 @@ class Job:
         self.spool = tmp_path / "spool"
         self.marker = tmp_path / "fault"
         self.job_id = f"hang-{mode}"
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
                "RANKLENS_SPOOL": str(self.spool), "RANKLENS_JOB_ID": self.job_id, "OMP_NUM_THREADS": "1",
                "HANG_MODE": mode, "HANG_RANK": str(rank), "HANG_STEP": str(step), "HANG_MARKER": str(self.marker),
                "RANKLENS_FR_STUCK_S": "3",
