@@ -28,7 +28,7 @@ budget is checked as data arrives (:meth:`Shipper.check_budget`, every tick of t
 however long the shipping passes back off), not only at passes (issue 22 #6).
 
 This module keeps the :class:`Shipper` itself: the pass (read, settle, write, delete), the
-quarantine, the drop counts and the loop.
+quarantine and the drop counts; and :class:`ShipLoop`, its passes on a background worker.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ranklens._worker import Worker
 from ranklens.collector import budget as _budget
 from ranklens.collector.budget import TRACE_TABLE, SpoolBudget, parse_bytes
 from ranklens.collector.fault_drill import FaultDrill
@@ -64,6 +65,7 @@ __all__ = [
     "LOCK_FILE",
     "MAX_BLOCK_ROWS",
     "TRACE_TABLE",
+    "ShipLoop",
     "ShipResult",
     "Shipper",
     "SpoolBudget",
@@ -518,33 +520,51 @@ class Shipper:
 
     # --- the loop -------------------------------------------------------------------------
 
-    def run(
-        self,
-        *,
-        interval_s: float = 1.0,
-        stop: Callable[[], bool] = lambda: False,
-        on_pass: Callable[[ShipResult], None] | None = None,
-    ) -> None:
-        """Ship until ``stop()`` is true (checked every ``interval_s``), then one last pass.
+    def start(self, *, interval_s: float = 1.0, on_pass: Callable[[ShipResult], None] | None = None) -> ShipLoop:
+        """Ship in the background (a pass at once, then every ``interval_s``) until
+        :meth:`ShipLoop.close`, which makes one last pass. See :class:`ShipLoop`."""
+        return ShipLoop(self, interval_s=interval_s, on_pass=on_pass)
 
-        Every ``COMPACT_EVERY`` passes, a store that can (the embedded one) merges small parts, so
-        a collector that runs for weeks keeps readers fast."""
-        passes = 0
-        while True:
-            stopping = stop()
+
+class ShipLoop:
+    """A :class:`Shipper` shipping in the background, on a :class:`ranklens._worker.Worker` of its
+    own: a pass at once, then one every ``interval_s`` on the worker's job thread (a pass still
+    running when the next is due is skipped and counted, never piled up); a pass that fails is
+    logged and the next one comes (issue 22 #1). :meth:`close` stops within its timeout, the last
+    pass included.
+
+    Every ``COMPACT_EVERY`` passes, and at the last one, a store that can (the embedded one) merges
+    small parts, so a collector that runs for weeks keeps readers fast.
+    """
+
+    def __init__(
+        self, shipper: Shipper, *, interval_s: float = 1.0, on_pass: Callable[[ShipResult], None] | None = None
+    ) -> None:
+        self.shipper = shipper
+        self.on_pass = on_pass
+        self.passes = 0
+        self._worker = Worker("ranklens-shipper", max_queue=2)
+        self._worker.submit(self._pass, name="ship")  # the first pass at once
+        self._worker.every(interval_s, self._pass, name="ship", blocking=True)
+
+    def _pass(self, *, last: bool = False) -> None:
+        sh = self.shipper
+        try:
+            r = sh.ship_once()
+        except Exception as e:  # never let the shipping stop (issue 22 #1): next pass
+            log.exception("ranklens collector: shipping pass failed; segments stay for the next one")
+            r = ShipResult(error=f"{type(e).__name__}: {e}")
+        self.passes += 1
+        if self.on_pass:
+            self.on_pass(r)
+        if isinstance(sh.store, SupportsCompact) and (self.passes % COMPACT_EVERY == 0 or last):
             try:
-                r = self.ship_once()
-            except Exception as e:  # never let the shipping thread die (issue 22 #1): next pass
-                log.exception("ranklens collector: shipping pass failed; segments stay for the next one")
-                r = ShipResult(error=f"{type(e).__name__}: {e}")
-            passes += 1
-            if on_pass:
-                on_pass(r)
-            if isinstance(self.store, SupportsCompact) and (passes % COMPACT_EVERY == 0 or stopping):
-                try:
-                    self.store.compact()
-                except Exception:
-                    log.exception("ranklens collector: compaction failed (data is safe, parts stay)")
-            if stopping:
-                return
-            time.sleep(interval_s)
+                sh.store.compact()
+            except Exception:
+                log.exception("ranklens collector: compaction failed (data is safe, parts stay)")
+
+    def close(self, timeout_s: float = 300.0) -> bool:
+        """Stop: the pass in progress finishes, then one last pass ships what the ranks wrote last,
+        all within ``timeout_s`` (what is not shipped by then stays in the spool). Never raises.
+        Returns whether the last pass ran to its end."""
+        return self._worker.close(timeout_s, final=lambda: self._pass(last=True)).final_ran

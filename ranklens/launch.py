@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -95,26 +94,22 @@ def run_traced(
 
     with collector_lock(spool_dir) as own:
         shipper = Shipper(spool_dir, store) if (own and store is not None) else None
-        done = threading.Event()
-        thread = None
+        loop = None
         if shipper is not None:
             log(f"ranklens run: job {job_id}, collecting {spool_dir} into {store.url if store else '-'}")
-            thread = threading.Thread(
-                target=shipper.run,
-                kwargs={"interval_s": interval_s, "stop": done.is_set, "on_pass": _keep_last},
-                daemon=True,
-            )
-            thread.start()
+            loop = shipper.start(interval_s=interval_s, on_pass=_keep_last)
         elif not own:
             log(f"ranklens run: job {job_id}, spool {spool_dir} (served by another collector)")
         else:
             log(f"ranklens run: job {job_id}, spool {spool_dir} (not shipped by this run)")
         try:
             rc = _run_child(command, env)
-        finally:
-            done.set()
-        if thread is not None:
-            thread.join(timeout=300)
+        except BaseException:
+            if loop is not None:
+                loop.close(timeout_s=0)  # the last pass starts; a failed start does not wait for it
+            raise
+        if loop is not None:
+            loop.close(timeout_s=300)  # the last pass: what the ranks wrote last
     store_error = last[-1].error if last else None
     left = sum(1 for _ in Path(spool_dir, job_id).rglob("*.jsonl")) if store_error else 0
     return RunResult(job_id, rc, dict(shipper.totals) if shipper else {}, shipper is not None, True, store_error, left)

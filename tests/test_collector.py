@@ -273,3 +273,37 @@ def test_free_space_floor_never_evicts_while_the_store_takes_the_rows(tmp_path, 
     budget = SpoolBudget(min_free_bytes=1024**3, check_interval_s=0)
     r = Shipper(tmp_path / "spool", embedded_store, budget=budget, free_bytes=lambda _p: 0).ship_once()
     assert r.ok and r.evicted == {} and r.rows == {"collectives": 5}
+
+
+def test_ship_loop_ships_in_the_background_and_its_last_pass_at_close(tmp_path, embedded_store):
+    from ranklens.store.testing import RecordingStore
+    from tests._sync import wait_until
+
+    rec = RecordingStore(embedded_store)
+    w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
+    w.write("collectives", _rows(2))
+    passes = []
+    loop = Shipper(tmp_path / "spool", rec).start(interval_s=3600, on_pass=passes.append)
+    wait_until(lambda: _seqs(embedded_store) == [0, 1], 60, "the first pass, at once")
+    w.write("collectives", _rows(2, start=10))  # written after the first pass, long before the next
+    assert loop.close(timeout_s=60)
+    assert _seqs(embedded_store) == [0, 1, 10, 11] and all(r.ok for r in passes) and len(passes) == 2
+    assert rec.ops()[-1] == "compact"  # the last pass merges the embedded store's parts
+    assert loop.close(timeout_s=1)  # a second close is harmless
+
+
+def test_ship_loop_close_is_bounded_while_the_store_hangs(tmp_path, embedded_store):
+    import threading
+    import time
+
+    release = threading.Event()
+    slow = SlowStore(embedded_store, until=release.is_set, timeout_s=60, ops={"write_many"})
+    SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(2))
+    loop = Shipper(tmp_path / "spool", slow).start(interval_s=3600)
+    try:
+        assert slow.entered.wait(60)  # the first pass is stuck in the store
+        t0 = time.monotonic()
+        assert loop.close(timeout_s=0.5) is False  # the last pass could not run: said, not raised
+        assert time.monotonic() - t0 < 5
+    finally:
+        release.set()

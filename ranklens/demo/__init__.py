@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -139,17 +138,7 @@ def run_demo(
 
     # Ship spools into the store while the job runs (the live path).
     shipper = Shipper(spool, store)
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def ship() -> None:
-        try:
-            shipper.run(interval_s=0.5, stop=done.is_set)
-        except BaseException as e:  # surfaced after the job
-            errors.append(e)
-
-    shipper_thread = threading.Thread(target=ship, name="ranklens-demo-shipper", daemon=True)
-    shipper_thread.start()
+    loop = shipper.start(interval_s=0.5)
     failed = None
     last_step = 0
     try:
@@ -176,10 +165,7 @@ def run_demo(
     codes = {r: p.returncode for r, (p, _) in enumerate(procs)}
     if failed is None and any(codes.values()):
         failed = "a rank failed"
-    done.set()
-    shipper_thread.join(timeout=120)
-    if errors:
-        raise errors[0]
+    loop.close(timeout_s=120)  # the last pass
     if failed:
         bad = [r for r, c in codes.items() if c != 0] or list(codes)
         tail = (logs / f"rank{bad[0]}.log").read_text()[-3000:]
