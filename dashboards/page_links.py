@@ -1,6 +1,7 @@
 """Links: effective bandwidth between ranks or nodes, per rank/node and per process group.
 
-Effective bandwidth of a collective = bytes / (completion - the group's last arrival): the time
+Effective bandwidth of a collective = bus bytes / (completion - the group's last arrival), the links
+analyzer's metric (:func:`ranklens.analyzers.links.transfer_sql`, bus bytes per nccl-tests): the time
 spent moving data once everybody was there, so a straggler's compute does not count as a slow link.
 The pair matrix comes from two-member collectives and p2p transfers; larger groups show per group
 and per node.
@@ -56,7 +57,7 @@ st.plotly_chart(
     charts.rank_bandwidth_chart(
         [label(k) for k in order],
         [float(bps[k]) for k in order],
-        f"Effective bandwidth per {unit} (bytes after the last arrival / transfer time, MB/s)",
+        f"Effective bandwidth per {unit} (bus bytes / transfer time after the last arrival, MB/s)",
     ),
     key="per_key",
 )
