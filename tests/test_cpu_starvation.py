@@ -209,3 +209,73 @@ def test_a_rank_slowed_in_forward_is_still_named_under_cpu_hogs(tmp_path):
     assert f["evidence"].get("phase") == "forward", (titles, f["evidence"].get("phase_excess_s"))
     cpu = f["evidence"]["cpu"]  # what the counters said: no run delay worth its 50 ms
     assert cpu["run_delay_above_peers_per_step_s"] < 0.025, cpu
+
+
+# ------------------------------------------------------------------- metric + discount in a store
+
+T0 = 1_790_000_000_000_000_000
+
+
+def _cpu_rows(job: str, delay_rate: dict[int, float], cpu_rate: float = 0.3, seconds: int = 10) -> list[dict]:
+    """Cumulative samples every 0.5 s: rank r waits ``delay_rate[r]`` s/s for a CPU."""
+    rows = []
+    for r, rate in delay_rate.items():
+        for k in range(2 * seconds + 1):
+            t = k * 500_000_000
+            rows.append(
+                {
+                    "job_id": job, "rank": r, "host": f"node{r // 2}", "ts_ns": T0 + t,
+                    "cpu_ns": int(cpu_rate * t), "run_delay_ns": int(rate * t),
+                    "proc_cpu_ns": int(cpu_rate * t), "proc_run_delay_ns": int(rate * t),
+                }
+            )  # fmt: skip
+    return rows
+
+
+def _finding(kind: str, ranks: list[int], **evidence):
+    from ranklens.analyzers.findings import Finding, Severity, Suspect
+
+    return Finding(
+        id=f"{kind}-{ranks}", job_id="j", attempt=0, kind=kind, severity=Severity.WARNING, confidence=0.9,
+        title=f"{kind} {ranks}", suspects=tuple(Suspect(rank=r, node=f"node{r // 2}") for r in ranks),
+        first_seen_step=2, last_seen_step=8, first_seen_ns=T0 + 2_000_000_000, last_seen_ns=T0 + 8_000_000_000,
+        impact_s=1.0, impact_gpu_s=3.0, step_time_pct=30.0, evidence=dict(evidence),
+    )  # fmt: skip
+
+
+def test_cpu_metric_and_discounts_on_both_backends(store):
+    from ranklens.analyzers.contention import cpu_window, discount_links
+    from ranklens.analyzers.straggler import discount_cpu_contention
+
+    store.write("cpu", _cpu_rows("j", {0: 0.05, 1: 0.05, 2: 0.06, 3: 0.65}))
+    cw = cpu_window(store, "j", 0, T0 + 2_000_000_000, T0 + 8_000_000_000)
+    assert cw.ranks.tolist() == [0, 1, 2, 3] and cw.hosts[3] == "node1"
+    assert cw.delay_rate.tolist() == pytest.approx([0.05, 0.05, 0.06, 0.65], abs=1e-6)
+    assert cw.cpu_rate.tolist() == pytest.approx([0.3] * 4, abs=1e-6)
+    # rank 3, 60 ms/step behind with steps of 100 ms: its 60 ms/step of run delay above its peers explains it
+    starved = _finding("straggler", [3], excess_per_step_s=0.06, mean_step_time_s=0.1)
+    sleeper = _finding("straggler", [1], excess_per_step_s=0.06, mean_step_time_s=0.1)
+    notes: list = []
+    kept = discount_cpu_contention(store, [starved, sleeper], notes)
+    assert [f.suspects[0].rank for f in kept] == [1]
+    assert kept[0].evidence["cpu"]["run_delay_above_peers_per_step_s"] == pytest.approx(-0.001, abs=1e-6)
+    (n,) = notes
+    assert (n.kind, n.node, n.ranks) == ("straggler", "node1", (3,))
+    assert n.run_delay_per_step_s == pytest.approx(0.06, abs=1e-6) and "node1" in n.line()
+    assert n.to_json()["run_delay_ms_per_step"] == pytest.approx(60.0, abs=0.01)
+    # a slow link of node1 (ranks 2, 3), 30% of the job's time: rank 3's threads waited 0.6 s/s for a CPU
+    link = _finding("slow_link", [2, 3])
+    link_notes: list = []
+    assert discount_links(store, [link], link_notes) == []
+    assert link_notes[0].kind == "slow_link" and link_notes[0].ranks == (3,)
+    # node0's link (ranks 0, 1): nothing waited for a CPU there, the link is reported
+    other = _finding("slow_link", [0, 1])
+    assert discount_links(store, [other], []) == [other]
+    # no samples for the job: nothing is discounted
+    assert discount_cpu_contention(store, [dataclasses_replace(starved, job_id="other")], []) != []
+
+
+def dataclasses_replace(f, **kw):
+    import dataclasses
+
+    return dataclasses.replace(f, **kw)
