@@ -217,3 +217,16 @@ def test_recording_store_records_calls_and_outcomes(embedded_store):
     failed = rec.calls[2]
     assert failed.sql == "SELECT nosuch" and isinstance(failed.error, StoreError)
     assert rec.calls[0].tables == ["collectives", "steps"] and rec.calls[3].kwargs == {"batch_rows": 3}
+
+
+def test_write_once_discards_a_half_stored_batch_through_the_capability(store):
+    from ranklens.store.once import key_ingest_id, stamp, write_once
+
+    data = to_arrow("collectives", _rows(4))
+    iid = key_ingest_id([b"k", b"collectives"])
+    store.write("collectives", stamp(data.slice(0, 2), iid))  # an earlier write interrupted half-way
+    rec = RecordingStore(store)
+    assert write_once(rec, {"collectives": data}, [b"k"]) == ({"collectives": 4}, {})
+    assert rec.ops() == ["query", "discard_ingest", "write_many"]
+    assert store.query("SELECT count() FROM collectives").scalar() == 4
+    assert write_once(rec, {"collectives": data}, [b"k"]) == ({}, {"collectives": 4})  # and not again

@@ -15,7 +15,7 @@ from typing import Any
 
 from ranklens.errors import IngestError
 from ranklens.schema import INGEST_ID
-from ranklens.store.api import Store
+from ranklens.store.api import Store, SupportsDiscardIngest
 
 __all__ = ["key_ingest_id", "stamp", "stored_ingest_rows", "write_once"]
 
@@ -67,10 +67,9 @@ def write_once(store: Store, batches: Mapping[str, Any], key: Sequence[bytes]) -
             already[table] = n
             continue
         if n:  # a write interrupted half-way: drop what it left, write it whole
-            discard = getattr(store, "discard_ingest", None)
-            if discard is None:
+            if not isinstance(store, SupportsDiscardIngest):
                 raise IngestError(table, "", "the store holds part of these rows and cannot discard them")
-            discard(table, [iid])
+            store.discard_ingest(table, [iid])
         fresh[table] = stamp(data, iid)
     written = store.write_many(fresh) if fresh else {}
     return dict(written), already
