@@ -387,6 +387,19 @@ def _parse_ranks(value: Any) -> tuple[int, ...]:
     return tuple(sorted(set(value)))
 
 
+def _dicts_of(top: _Fields, key: str) -> list[tuple[Any, _Fields]]:
+    """The entries of the optional dict-of-dicts field ``key`` (``pg_status``, ``pg_config``)."""
+    raw = top.get(key, False, {}) or {}
+    if not isinstance(raw, dict):
+        raise top.fail(f"field {key!r} must be a dict, got {type(raw).__name__}")
+    out = []
+    for k, v in raw.items():
+        if not isinstance(v, dict):
+            raise IngestError(top.source, f"{key}[{k!r}]", f"expected a dict, got {type(v).__name__}")
+        out.append((k, _Fields(v, top.source, f"{key}[{k!r}]")))
+    return out
+
+
 def parse_dump(obj: Any, *, source_path: str = "<memory>", rank: int | None = None, fmt: str = "") -> FRDump:
     """Validate an unpickled or JSON-decoded dump and build an :class:`FRDump`.
 
@@ -414,14 +427,8 @@ def parse_dump(obj: Any, *, source_path: str = "<memory>", rank: int | None = No
         raise top.fail(f"field 'entries' must be a list, got {type(entries_raw).__name__}")
     entries = sorted((_parse_entry(e, src, i) for i, e in enumerate(entries_raw)), key=lambda e: e.record_id)
 
-    status_raw = top.get("pg_status", False, {}) or {}
-    if not isinstance(status_raw, dict):
-        raise top.fail(f"field 'pg_status' must be a dict, got {type(status_raw).__name__}")
     status = []
-    for key, st in status_raw.items():
-        if not isinstance(st, dict):
-            raise IngestError(src, f"pg_status[{key!r}]", f"expected a dict, got {type(st).__name__}")
-        sf = _Fields(st, src, f"pg_status[{key!r}]")
+    for key, sf in _dicts_of(top, "pg_status"):
         status.append(
             FRPGStatus(
                 str(key),
@@ -431,18 +438,12 @@ def parse_dump(obj: Any, *, source_path: str = "<memory>", rank: int | None = No
             )
         )
 
-    config_raw = top.get("pg_config", False, {}) or {}
-    if not isinstance(config_raw, dict):
-        raise top.fail(f"field 'pg_config' must be a dict, got {type(config_raw).__name__}")
     config = []
-    for key, cfg in config_raw.items():
-        if not isinstance(cfg, dict):
-            raise IngestError(src, f"pg_config[{key!r}]", f"expected a dict, got {type(cfg).__name__}")
-        cf = _Fields(cfg, src, f"pg_config[{key!r}]")
+    for key, cf in _dicts_of(top, "pg_config"):
         try:
             ranks = _parse_ranks(cf.get("ranks", False, []))
         except TypeError:
-            raise cf.fail(f"field 'ranks' must list integers, got {_short(cfg.get('ranks'), 80)}") from None
+            raise cf.fail(f"field 'ranks' must list integers, got {_short(cf.obj.get('ranks'), 80)}") from None
         if key == "" and not ranks:
             continue  # gloo's placeholder {'': {'name': '', 'desc': '', 'ranks': '[]'}}
         config.append(FRPGConfig(str(key), cf.as_str("desc", False), ranks))
