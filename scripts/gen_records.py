@@ -64,7 +64,7 @@ def _record(t: Table) -> str:
     name = class_name(t.name)
     head = f"A row of ``{t.name}``: {t.doc.rstrip('.')}."
     doc = _doc_line(head, "    ")
-    lines = ["@dataclass(frozen=True, kw_only=True, slots=True)", f"class {name}:"]
+    lines = ["@dataclass(frozen=True, kw_only=True, slots=True)", f"class {name}(Record):"]
     if len(doc) == 1:
         lines.append(f'    """{doc[0]}"""')
     else:
@@ -79,14 +79,6 @@ def _record(t: Table) -> str:
     for c in t.columns:
         if not c.required:
             lines.append(f"    {c.name}: {py_type(c)} = {_default(c)}")
-    lines += [
-        "",
-        "    def to_row(self) -> dict[str, Any]:",
-        '        """The row as a dict keyed by column name, in the table\'s column order."""',
-    ]
-    lines.append("        return {")
-    lines += [f'            "{c.name}": self.{c.name},' for c in t.columns]
-    lines.append("        }")
     return "\n".join(lines)
 
 
@@ -110,10 +102,25 @@ def render() -> str:
         "from dataclasses import dataclass, field",
         "from typing import Any, ClassVar",
         "",
+        "from ranklens.schema import TABLES",
+        "",
         "__all__ = [",
         '    "RECORD_TYPES",',
-        *[f'    "{n}",' for n in sorted(names)],
+        *[f'    "{n}",' for n in sorted([*names, "Record"])],
         "]",
+        "",
+    ]
+    out += [
+        "",
+        "class Record:",
+        '    """What every record has: its table\'s name, and the row as a dict (:meth:`to_row`)."""',
+        "",
+        "    __slots__ = ()",
+        "    TABLE: ClassVar[str]",
+        "",
+        "    def to_row(self) -> dict[str, Any]:",
+        '        """The row as a dict keyed by column name, in the table\'s column order."""',
+        "        return {c.name: getattr(self, c.name) for c in TABLES[self.TABLE].columns}",
         "",
     ]
     for t in TABLES.values():

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ranklens.schema import TABLES
+
 __all__ = [
     "RECORD_TYPES",
     "ActionsRecord",
@@ -25,13 +27,25 @@ __all__ = [
     "PhasesRecord",
     "ProcessGroupsRecord",
     "RanksRecord",
+    "Record",
     "StepsRecord",
     "TraceEventsRecord",
 ]
 
 
+class Record:
+    """What every record has: its table's name, and the row as a dict (:meth:`to_row`)."""
+
+    __slots__ = ()
+    TABLE: ClassVar[str]
+
+    def to_row(self) -> dict[str, Any]:
+        """The row as a dict keyed by column name, in the table's column order."""
+        return {c.name: getattr(self, c.name) for c in TABLES[self.TABLE].columns}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CollectivesRecord:
+class CollectivesRecord(Record):
     """A row of ``collectives``: one row per rank x collective call (the arrival ledger)."""
 
     TABLE: ClassVar[str] = "collectives"
@@ -53,30 +67,9 @@ class CollectivesRecord:
     async_op: int = 0
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "rank": self.rank,
-            "pg": self.pg,
-            "seq": self.seq,
-            "op": self.op,
-            "nbytes": self.nbytes,
-            "dtype": self.dtype,
-            "peer": self.peer,
-            "step": self.step,
-            "enter_ns": self.enter_ns,
-            "start_ns": self.start_ns,
-            "end_ns": self.end_ns,
-            "clock": self.clock,
-            "async_op": self.async_op,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PhasesRecord:
+class PhasesRecord(Record):
     """A row of ``phases``: one row per rank x step x phase."""
 
     TABLE: ClassVar[str] = "phases"
@@ -90,22 +83,9 @@ class PhasesRecord:
     attempt: int = 0
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "rank": self.rank,
-            "step": self.step,
-            "phase": self.phase,
-            "start_ns": self.start_ns,
-            "end_ns": self.end_ns,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StepsRecord:
+class StepsRecord(Record):
     """A row of ``steps``: one row per rank x step."""
 
     TABLE: ClassVar[str] = "steps"
@@ -123,26 +103,9 @@ class StepsRecord:
     source: str = "explicit"
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "rank": self.rank,
-            "step": self.step,
-            "start_ns": self.start_ns,
-            "end_ns": self.end_ns,
-            "samples": self.samples,
-            "tokens": self.tokens,
-            "loss": self.loss,
-            "grad_norm": self.grad_norm,
-            "source": self.source,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ProcessGroupsRecord:
+class ProcessGroupsRecord(Record):
     """A row of ``process_groups``: one row per process group (duplicates from several members are harmless)."""
 
     TABLE: ClassVar[str] = "process_groups"
@@ -156,22 +119,9 @@ class ProcessGroupsRecord:
     created_ns: int = 0
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "pg": self.pg,
-            "name": self.name,
-            "backend": self.backend,
-            "ranks": self.ranks,
-            "created_ns": self.created_ns,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RanksRecord:
+class RanksRecord(Record):
     """A row of ``ranks``: one row per rank of a job attempt."""
 
     TABLE: ClassVar[str] = "ranks"
@@ -191,28 +141,9 @@ class RanksRecord:
     started_ns: int = 0
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "host": self.host,
-            "local_rank": self.local_rank,
-            "pid": self.pid,
-            "gpu_index": self.gpu_index,
-            "gpu_uuid": self.gpu_uuid,
-            "pp": self.pp,
-            "tp": self.tp,
-            "dp": self.dp,
-            "started_ns": self.started_ns,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class GpuSamplesRecord:
+class GpuSamplesRecord(Record):
     """A row of ``gpu_samples``: one row per GPU x sample time."""
 
     TABLE: ClassVar[str] = "gpu_samples"
@@ -247,43 +178,9 @@ class GpuSamplesRecord:
     remapped_rows_uncorrectable: int = -1
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "host": self.host,
-            "gpu_index": self.gpu_index,
-            "gpu_uuid": self.gpu_uuid,
-            "ts_ns": self.ts_ns,
-            "job_id": self.job_id,
-            "rank": self.rank,
-            "util_pct": self.util_pct,
-            "mem_used_bytes": self.mem_used_bytes,
-            "mem_total_bytes": self.mem_total_bytes,
-            "power_w": self.power_w,
-            "temp_c": self.temp_c,
-            "sm_clock_mhz": self.sm_clock_mhz,
-            "mem_clock_mhz": self.mem_clock_mhz,
-            "throttle_reasons": self.throttle_reasons,
-            "ecc_corrected": self.ecc_corrected,
-            "ecc_uncorrected": self.ecc_uncorrected,
-            "pcie_replay": self.pcie_replay,
-            "nvlink_errors": self.nvlink_errors,
-            "pcie_tx_bytes_per_s": self.pcie_tx_bytes_per_s,
-            "pcie_rx_bytes_per_s": self.pcie_rx_bytes_per_s,
-            "nvlink_tx_bytes_per_s": self.nvlink_tx_bytes_per_s,
-            "nvlink_rx_bytes_per_s": self.nvlink_rx_bytes_per_s,
-            "ecc_corrected_aggregate": self.ecc_corrected_aggregate,
-            "ecc_uncorrected_aggregate": self.ecc_uncorrected_aggregate,
-            "retired_pages_sbe": self.retired_pages_sbe,
-            "retired_pages_dbe": self.retired_pages_dbe,
-            "remapped_rows_correctable": self.remapped_rows_correctable,
-            "remapped_rows_uncorrectable": self.remapped_rows_uncorrectable,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class GpuEventsRecord:
+class GpuEventsRecord(Record):
     """A row of ``gpu_events``: one row per discrete GPU event."""
 
     TABLE: ClassVar[str] = "gpu_events"
@@ -299,24 +196,9 @@ class GpuEventsRecord:
     message: str = ""
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "host": self.host,
-            "gpu_index": self.gpu_index,
-            "gpu_uuid": self.gpu_uuid,
-            "ts_ns": self.ts_ns,
-            "job_id": self.job_id,
-            "rank": self.rank,
-            "kind": self.kind,
-            "code": self.code,
-            "message": self.message,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LogEventsRecord:
+class LogEventsRecord(Record):
     """A row of ``log_events``: one row per log line kept by the source filter."""
 
     TABLE: ClassVar[str] = "log_events"
@@ -336,28 +218,9 @@ class LogEventsRecord:
     context: list[str] = field(default_factory=list)
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "host": self.host,
-            "rank": self.rank,
-            "ts_ns": self.ts_ns,
-            "stream": self.stream,
-            "source": self.source,
-            "rule": self.rule,
-            "klass": self.klass,
-            "severity": self.severity,
-            "message": self.message,
-            "repeat_count": self.repeat_count,
-            "context": self.context,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class HeartbeatsRecord:
+class HeartbeatsRecord(Record):
     """A row of ``heartbeats``: one row per rank x heartbeat interval."""
 
     TABLE: ClassVar[str] = "heartbeats"
@@ -384,35 +247,9 @@ class HeartbeatsRecord:
     exited: int = 0
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "rank": self.rank,
-            "ts_ns": self.ts_ns,
-            "pid": self.pid,
-            "host": self.host,
-            "pid_ns": self.pid_ns,
-            "step": self.step,
-            "phase": self.phase,
-            "phase_start_ns": self.phase_start_ns,
-            "last_progress_ns": self.last_progress_ns,
-            "pgs": self.pgs,
-            "pg_entered": self.pg_entered,
-            "pg_completed": self.pg_completed,
-            "pending_pgs": self.pending_pgs,
-            "pending_seqs": self.pending_seqs,
-            "pending_ops": self.pending_ops,
-            "pending_nbytes": self.pending_nbytes,
-            "pending_enter_ns": self.pending_enter_ns,
-            "exited": self.exited,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CpuRecord:
+class CpuRecord(Record):
     """A row of ``cpu``: one row per rank x scheduler sample (how much CPU the host gave the rank)."""
 
     TABLE: ClassVar[str] = "cpu"
@@ -429,25 +266,9 @@ class CpuRecord:
     threads: int = -1
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "rank": self.rank,
-            "host": self.host,
-            "ts_ns": self.ts_ns,
-            "cpu_ns": self.cpu_ns,
-            "run_delay_ns": self.run_delay_ns,
-            "proc_cpu_ns": self.proc_cpu_ns,
-            "proc_run_delay_ns": self.proc_run_delay_ns,
-            "threads": self.threads,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TraceEventsRecord:
+class TraceEventsRecord(Record):
     """A row of ``trace_events``: one row per complete event (ph X) of a torch.profiler / Kineto trace."""
 
     TABLE: ClassVar[str] = "trace_events"
@@ -471,32 +292,9 @@ class TraceEventsRecord:
     source: str = ""
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "rank": self.rank,
-            "ts_ns": self.ts_ns,
-            "dur_ns": self.dur_ns,
-            "cat": self.cat,
-            "name": self.name,
-            "pid": self.pid,
-            "tid": self.tid,
-            "device": self.device,
-            "stream": self.stream,
-            "correlation": self.correlation,
-            "external_id": self.external_id,
-            "collective": self.collective,
-            "in_nelems": self.in_nelems,
-            "group_size": self.group_size,
-            "source": self.source,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class FindingsRecord:
+class FindingsRecord(Record):
     """A row of ``findings``: one row per finding version (read the newest per id)."""
 
     TABLE: ClassVar[str] = "findings"
@@ -525,37 +323,9 @@ class FindingsRecord:
     detector: str = ""
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "id": self.id,
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "kind": self.kind,
-            "severity": self.severity,
-            "confidence": self.confidence,
-            "title": self.title,
-            "suspect_ranks": self.suspect_ranks,
-            "suspect_hosts": self.suspect_hosts,
-            "suspect_gpus": self.suspect_gpus,
-            "suspect_links": self.suspect_links,
-            "first_seen_step": self.first_seen_step,
-            "last_seen_step": self.last_seen_step,
-            "first_seen_ns": self.first_seen_ns,
-            "last_seen_ns": self.last_seen_ns,
-            "impact_s": self.impact_s,
-            "impact_gpu_s": self.impact_gpu_s,
-            "step_time_pct": self.step_time_pct,
-            "evidence": self.evidence,
-            "state": self.state,
-            "detector": self.detector,
-            "updated_ns": self.updated_ns,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ActionsRecord:
+class ActionsRecord(Record):
     """A row of ``actions``: one row per hook delivery attempt."""
 
     TABLE: ClassVar[str] = "actions"
@@ -572,25 +342,9 @@ class ActionsRecord:
     detail: str = ""
     ingest_id: int = 0
 
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "finding_id": self.finding_id,
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "action": self.action,
-            "target": self.target,
-            "idempotency_key": self.idempotency_key,
-            "attempt_no": self.attempt_no,
-            "outcome": self.outcome,
-            "detail": self.detail,
-            "ts_ns": self.ts_ns,
-            "ingest_id": self.ingest_id,
-        }
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DropsRecord:
+class DropsRecord(Record):
     """A row of ``drops``: one row per drop-counter snapshot."""
 
     TABLE: ClassVar[str] = "drops"
@@ -603,19 +357,6 @@ class DropsRecord:
     job_id: str = ""
     rank: int = -1
     ingest_id: int = 0
-
-    def to_row(self) -> dict[str, Any]:
-        """The row as a dict keyed by column name, in the table's column order."""
-        return {
-            "ts_ns": self.ts_ns,
-            "host": self.host,
-            "job_id": self.job_id,
-            "rank": self.rank,
-            "component": self.component,
-            "what": self.what,
-            "count": self.count,
-            "ingest_id": self.ingest_id,
-        }
 
 
 # table name -> its record class
