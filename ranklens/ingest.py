@@ -20,7 +20,7 @@ from typing import Any
 
 from ranklens.errors import IngestError
 from ranklens.formats.rows import read_file
-from ranklens.store.api import Store
+from ranklens.store.api import Store, SupportsDiscardIngest
 from ranklens.store.once import stamp, stored_ingest_rows
 
 __all__ = ["FORMATS", "expand", "file_ingest_id", "ingest_paths"]
@@ -86,10 +86,9 @@ def ingest_paths(
         stored = stored_ingest_rows(store, name, sorted(by_id))
         partial = [i for i, n in stored.items() if 0 < n < by_id[i].num_rows]
         if partial:  # an ingest interrupted half-way (a server applies a block atomically; several blocks not)
-            discard = getattr(store, "discard_ingest", None)
-            if discard is None:
+            if not isinstance(store, SupportsDiscardIngest):
                 raise IngestError(name, "", "the store holds part of these files' rows and cannot discard them")
-            discard(name, partial)
+            store.discard_ingest(name, partial)
         fresh = [d for i, d in by_id.items() if i in partial or not stored.get(i)]
         if already is not None:
             n = sum(d.num_rows for i, d in by_id.items() if i not in partial and stored.get(i))
