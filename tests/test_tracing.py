@@ -511,3 +511,52 @@ def test_one_worker_and_a_stuck_disk_never_stalls_the_watcher(tmp_path):
         assert time.monotonic() - t0 < 3.0
     finally:
         release.set()
+
+
+def test_cuda_timer_polls_on_the_worker_and_a_hung_calibration_is_bounded():
+    """The CUDA event poller is a task on the shared worker (idle while nothing is pending); a
+    calibration event that never completes (a hung device) gives up after calibrate_timeout_s
+    instead of blocking the worker's tick, which the 1 ms watcher and the ring reader share."""
+    import threading
+
+    from ranklens._worker import Worker
+    from ranklens.tracing.timing import CalibrationTimeout, CudaEventTimer
+    from tests.test_cuda_timing import FakeCuda, FakeDevice
+
+    dev = FakeDevice(host_offset_ns=0)
+    worker = Worker("cuda-test")
+    done = threading.Event()
+    got = []
+    timer = CudaEventTimer(
+        FakeCuda(dev),
+        lambda row, a, b, err: (got.append((row["seq"], a, b)), done.set()),
+        worker=worker,
+        clock=dev.host_ns,
+    )
+    try:
+        dev.queue_ms = 5.0
+        start = timer.begin()
+        dev.queue_ms = 7.0
+        timer.end(start, {"seq": 1})
+        dev.now_ms = 8.0  # the device ran both events: the worker's task resolves them
+        assert done.wait(10)
+        assert got == [(1, 5_000_000, 7_000_000)]
+        # a device that never reaches the calibration event: the poll on the worker's tick gives up
+        # (counted) and the tick goes on (event.synchronize() there would hold it forever)
+        stuck = FakeCuda(dev)
+        stuck.Event.query = lambda self: False
+        hung = CudaEventTimer(stuck, lambda *a: None, worker=worker, clock=dev.host_ns, calibrate_timeout_s=0.05)
+        hung.end(hung.begin(), {"seq": 2})
+        t0 = time.monotonic()
+        while hung.poll_errors < 2 and time.monotonic() - t0 < 10:
+            time.sleep(0.005)
+        assert hung.poll_errors >= 2  # it timed out, returned, and was tried again
+        ticked = threading.Event()
+        worker.every(0.001, ticked.set, name="watch")
+        assert ticked.wait(10)
+        hung.close(0.0)
+        with pytest.raises(CalibrationTimeout):
+            hung.calibrate()
+    finally:
+        timer.close(1.0)
+        assert worker.close(5.0).clean
