@@ -560,3 +560,31 @@ def test_cuda_timer_polls_on_the_worker_and_a_hung_calibration_is_bounded():
     finally:
         timer.close(1.0)
         assert worker.close(5.0).clean
+
+
+def test_worker_overruns_reach_the_drops_table(tmp_path):
+    """A flush that outlasts its period skips runs (the worker counts overruns); the count is
+    spooled as a ``drops`` row like the tracer's own."""
+    import threading
+
+    t = Tracer(job_id="j", attempt=0, rank=0, world_size=1, spool_dir=str(tmp_path), flush_interval_s=0.01)
+    writing, release = threading.Event(), threading.Event()
+    real_write = t._writer.write
+
+    def slow_write(table, rows):
+        writing.set()
+        release.wait(30)
+        return real_write(table, rows)
+
+    t._writer.write = slow_write
+    try:
+        assert writing.wait(10)
+        deadline = time.monotonic() + 10
+        while t.worker.stats().overruns < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert t.worker.stats().overruns >= 3
+    finally:
+        release.set()
+    t.shutdown(timeout_s=10)
+    rows = [r for r in _segments(tmp_path, "drops") if r["what"] == "worker:overruns"]
+    assert rows and sum(r["count"] for r in rows) >= 3

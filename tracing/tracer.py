@@ -162,6 +162,14 @@ class Tracer:
             now = self.clock()
             rows.append(("heartbeats", self._heartbeat(now)))
             self._maybe_dump_fr(now)
+            ws = self.worker.stats()  # the background worker's own losses and skips, counted like ours
+            for what, n in (
+                ("worker:jobs_dropped", ws.jobs_dropped),
+                ("worker:task_errors", ws.task_errors),
+                ("worker:overruns", ws.overruns),
+            ):
+                if n:
+                    self._drops[what] = n
             for what, n in (self._drops - self._drops_reported).items():
                 rows.append(
                     (
