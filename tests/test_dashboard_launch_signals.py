@@ -40,6 +40,7 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_signal_to_dashboard_stops_its_streamlit_server(tmp_path, sig):
     from ranklens.store import open_store

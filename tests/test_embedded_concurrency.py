@@ -52,6 +52,7 @@ READER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_writer_reader_and_compactor_processes(tmp_path):
     from ranklens.store import open_store

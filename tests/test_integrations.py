@@ -25,6 +25,7 @@ def tracer(tmp_path):
     assert t is not None
 
 
+@pytest.mark.slow
 def test_lightning_callback(tracer):
     pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed (pip install lightning)")
     from ranklens.tracing.integrations import lightning_callback

@@ -117,6 +117,7 @@ def test_public_names():
             assert getattr(mod, name).__doc__ or not callable(getattr(mod, name)), f"{mod.__name__}.{name}"
 
 
+@pytest.mark.e2e  # `ranklens probe` runs its gloo processes over loopback
 def test_probe_cli_plans_from_a_stored_finding_runs_and_attaches(tmp_path):
     import json
 
@@ -151,6 +152,7 @@ def test_probe_cli_plans_from_a_stored_finding_runs_and_attaches(tmp_path):
     assert got.evidence["nodes"] == ["node3"]  # the original evidence is kept
 
 
+@pytest.mark.e2e
 def test_probe_cli_pairs_and_errors(tmp_path):
     import json
 
