@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +28,7 @@ from ranklens.analyzers.recovery import (
 )
 from ranklens.analyzers.recovery.testing import WebhookReceiver
 from ranklens.demo import run_demo
+from tests._sync import free_port, wait_until
 from tests.recovery_helpers import SECRET, policy
 
 # both tests analyse a real 4-rank gloo job (run_demo)
@@ -45,12 +44,6 @@ needs_servers = pytest.mark.skipif(
     reason="prometheus and/or alertmanager are not installed "
     "(Debian: apt-get install prometheus prometheus-alertmanager); CI installs them",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def straggler_findings(store):
@@ -135,21 +128,25 @@ receivers:
                 stderr=subprocess.STDOUT,
             )
         )
-        rows: list[dict] = []
-        # readiness: two servers start, scrape (1 s), evaluate (1 s) and route (1 s group wait); on a
-        # loaded machine that can take minutes, so the deadline is generous (the test's timeout is 600 s)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            for p in procs:
-                assert p.poll() is None, (tmp_path / "prometheus.log").read_text() + (
-                    tmp_path / "alertmanager.log"
-                ).read_text()
+
+        def alerted() -> list[dict]:
             rows = embedded_store.query(
                 "SELECT finding_id, target, outcome, detail FROM actions WHERE action = 'alert'"
             ).to_pylist()
-            if any(r["target"] == "alertmanager:RanklensStraggler" for r in rows):
-                break
-            time.sleep(0.5)
+            return rows if any(r["target"] == "alertmanager:RanklensStraggler" for r in rows) else []
+
+        # readiness: two servers start, scrape (1 s), evaluate (1 s) and route (1 s group wait); on a
+        # loaded machine that can take minutes, so the deadline is generous (the test's timeout is 600 s)
+        rows = wait_until(
+            alerted,
+            300,
+            "the straggler alert back from Alertmanager",
+            interval_s=0.5,
+            procs=procs,
+            detail=lambda: (
+                (tmp_path / "prometheus.log").read_text()[-3000:] + (tmp_path / "alertmanager.log").read_text()[-3000:]
+            ),
+        )
     finally:
         for p in procs:
             p.terminate()
