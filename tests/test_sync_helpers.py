@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests._sync import wait_for_file, wait_for_port, wait_until
+from tests._sync import free_port, wait_for_file, wait_for_port, wait_until
 
 
 def test_returns_the_predicates_value_once_truthy():
@@ -48,3 +48,12 @@ def test_port_accepting():
         port = s.getsockname()[1]
         threading.Timer(0.2, s.listen).start()  # bound, listening only a moment later
         wait_for_port("127.0.0.1", port, 30)
+
+
+def test_free_port_can_be_bound_and_differs_while_held():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free: a server started by the test can take it
+        s.listen()
+        assert free_port() != port  # the OS does not hand out a port that is in use
+        wait_for_port("127.0.0.1", port, 5)
