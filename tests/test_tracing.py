@@ -499,10 +499,9 @@ def test_one_worker_and_a_stuck_disk_never_stalls_the_watcher(tmp_path):
         w = Work()
         t.watch(w, t.collective_entered("p2p", 1, "isend", 4, "f32", 1, True))
         w.done = True
-        deadline = time.monotonic() + 10
-        while t._inflight and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert not t._inflight, "the watcher did not complete the work while the flush was stuck"
+        wait_until(
+            lambda: not t._inflight, 10, "the watcher to complete the work while the flush is stuck", interval_s=0.001
+        )
         names = {th.name for th in threading.enumerate()}
         assert "ranklens-flush" not in names and "ranklens-watch" not in names
         assert {"ranklens-trace-tick", "ranklens-trace-jobs"} <= names
@@ -547,10 +546,8 @@ def test_cuda_timer_polls_on_the_worker_and_a_hung_calibration_is_bounded():
         stuck.Event.query = lambda self: False
         hung = CudaEventTimer(stuck, lambda *a: None, worker=worker, clock=dev.host_ns, calibrate_timeout_s=0.05)
         hung.end(hung.begin(), {"seq": 2})
-        t0 = time.monotonic()
-        while hung.poll_errors < 2 and time.monotonic() - t0 < 10:
-            time.sleep(0.005)
-        assert hung.poll_errors >= 2  # it timed out, returned, and was tried again
+        # it timed out, returned, and was tried again
+        wait_until(lambda: hung.poll_errors >= 2, 10, "a second timed-out poll of the stuck event", interval_s=0.005)
         ticked = threading.Event()
         worker.every(0.001, ticked.set, name="watch")
         assert ticked.wait(10)
@@ -579,10 +576,12 @@ def test_worker_overruns_reach_the_drops_table(tmp_path):
     t._writer.write = slow_write
     try:
         assert writing.wait(10)
-        deadline = time.monotonic() + 10
-        while t.worker.stats().overruns_by_name.get("flush", 0) < 3 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert t.worker.stats().overruns_by_name["flush"] >= 3
+        wait_until(
+            lambda: t.worker.stats().overruns_by_name.get("flush", 0) >= 3,
+            10,
+            "three overruns of the stuck flush",
+            interval_s=0.005,
+        )
     finally:
         release.set()
     t.shutdown(timeout_s=10)
