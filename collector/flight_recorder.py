@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ranklens.errors import IngestError
+from ranklens.formats.digest import feed_file
 from ranklens.formats.flight_recorder import (
     DUMP_NAME,
     FRDump,
@@ -335,9 +336,7 @@ def ingest_flight_recorder(
 def _content_digest(path: str | Path) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+        feed_file(h, path)
     except OSError:
         h.update(str(path).encode())
     return h.digest()

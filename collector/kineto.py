@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ranklens.errors import IngestError
+from ranklens.formats.digest import feed_file
 from ranklens.formats.kineto import is_kineto_file, iter_kineto_batches
 from ranklens.store.api import Store
 from ranklens.store.once import write_once
@@ -76,8 +77,4 @@ def ingest_kineto(
 
 
 def _content_digest(path: Path) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.digest()
+    return bytes(feed_file(hashlib.blake2b(digest_size=16), path).digest())

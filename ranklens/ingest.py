@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ranklens.errors import IngestError
+from ranklens.formats.digest import feed_file
 from ranklens.formats.rows import read_file
 from ranklens.store.api import Store, SupportsDiscardIngest
 from ranklens.store.once import stamp, stored_ingest_rows
@@ -47,9 +48,7 @@ def file_ingest_id(path: str | Path, table: str) -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update(b"ranklens ingest\0" + table.encode() + b"\0")
     try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+        feed_file(h, path)
     except OSError as e:
         raise IngestError(str(path), "", f"cannot read: {e.strerror}") from None
     return (int.from_bytes(h.digest(), "little") & (2**63 - 1)) or 1
