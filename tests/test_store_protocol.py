@@ -230,3 +230,24 @@ def test_write_once_discards_a_half_stored_batch_through_the_capability(store):
     assert rec.ops() == ["query", "discard_ingest", "write_many"]
     assert store.query("SELECT count() FROM collectives").scalar() == 4
     assert write_once(rec, {"collectives": data}, [b"k"]) == ({}, {"collectives": 4})  # and not again
+
+
+def test_every_store_has_the_protocols_signatures(embedded_store):
+    """Each backend and test store takes the arguments the protocol names (a method added to the
+    protocol and missing from a store, or taking other arguments, fails here)."""
+    import inspect
+
+    from ranklens.store.embedded import EmbeddedStore
+    from ranklens.store.server import ServerStore
+
+    def shape(fn) -> list[tuple[str, object]]:
+        """(kind, and the name of a keyword-only) per parameter but self (positional names may differ)."""
+        ps = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+        return [(p.kind, p.name if p.kind is inspect.Parameter.KEYWORD_ONLY else "") for p in ps]
+
+    for cls in (EmbeddedStore, ServerStore, LazyStore, DownStore, FlakyStore, SlowStore, RecordingStore):
+        for name in ("write", "write_many", "query", "iter_query", "close"):
+            assert shape(getattr(cls, name)) == shape(getattr(Store, name)), (cls.__name__, name)
+    for cls in (EmbeddedStore, ServerStore, LazyStore):  # the server's own keyword (timeout_s) is extra
+        assert shape(cls.discard_ingest)[:2] == shape(SupportsDiscardIngest.discard_ingest), cls.__name__
+    inspect.signature(EmbeddedStore.compact).bind(embedded_store)  # callable as SupportsCompact.compact()
