@@ -95,6 +95,7 @@ def test_iter_query_edge_cases(store):
     assert store.query("SELECT count() FROM collectives").scalar() == 3
 
 
+@pytest.mark.slow  # 1 M / 0.5 M rows (the driver decodes in Python): 10-25 s on a loaded machine
 def test_iter_query_holds_one_batch_not_the_result(store):
     """A result read 5 000 rows at a time: the process never holds much more than a batch
     (query() of the same result holds 8 MB of Arrow on the embedded store, ~20 MB of Python
