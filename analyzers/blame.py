@@ -9,7 +9,6 @@ presentation lives elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ __all__ = [
     "member_wait_sql",
     "step_times_sql",
     "union_length",
+    "union_lengths",
 ]
 
 P2P_MARK = "/p2p:"  # the tracer's point-to-point "pg": "<group>/p2p:<src>-><dst>"
@@ -294,24 +294,72 @@ def compute_blame(
     delay = np.zeros(shape)
     wait = np.zeros(shape)
     count = np.zeros(shape, dtype=np.int64)
-    for last, step, n, d, w in _cell_values(b.rows()):
-        j = si.get(step)
-        if j is None:
-            continue
-        i = ri[last]
-        delay[i, j] += d
-        wait[i, j] += w
-        count[i, j] += n
+    last, step, n, d, w = _cell_values(b)
+    j = np.array([si.get(int(x), -1) for x in step], dtype=np.int64)
+    keep = j >= 0
+    i = np.array([ri[int(x)] for x in last[keep]], dtype=np.int64)
+    np.add.at(delay, (i, j[keep]), d[keep])
+    np.add.at(wait, (i, j[keep]), w[keep])
+    np.add.at(count, (i, j[keep]), n[keep])
     return BlameMatrix(job_id, attempt, ranks, steps, delay, wait, count, step_time, step_start, hosts, sql, basis)
 
 
-def _cell_values(rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[int, int, int, float, float]]:
-    """``(last rank, step, collectives, delay s, wait s)`` of each row of :func:`blame_sql`: the union
-    of the waits for the culprit (not their sum: they overlap), and that times the others' count."""
+def union_lengths(cell: np.ndarray, ends: np.ndarray, lengths: np.ndarray, n_cells: int) -> np.ndarray:
+    """:func:`union_length` of many cells at once: ``out[c]`` is the length of the union of the
+    intervals ``[ends[k] - lengths[k], ends[k]]`` with ``cell[k] == c``.
+
+    Each cell's intervals are shifted onto a stretch of the line of their own (cell ``c`` starts
+    after cell ``c - 1`` ends), so one sort and one running maximum serve every cell."""
+    out = np.zeros(int(n_cells))
+    if len(ends) == 0:
+        return out
+    cell = np.asarray(cell, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.float64)
+    starts = ends - np.maximum(np.asarray(lengths, dtype=np.float64), 0.0)
+    lo = np.full(int(n_cells), np.inf)
+    np.minimum.at(lo, cell, starts)
+    rel_s, rel_e = starts - lo[cell], ends - lo[cell]  # each cell from 0 (keeps Float64 exact)
+    shift = (float(rel_e.max()) + 1.0) * cell
+    s_, e_ = rel_s + shift, rel_e + shift
+    order = np.argsort(s_, kind="stable")
+    s_, e_, c_ = s_[order], e_[order], cell[order]
+    covered = np.maximum.accumulate(e_)  # the furthest end so far (earlier cells end before this one starts)
+    before = np.concatenate([[-np.inf], covered[:-1]])
+    np.add.at(out, c_, np.maximum(e_ - np.maximum(s_, before), 0.0))
+    return out
+
+
+def _cell_values(result: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(last rank, step, collectives, delay s, wait s)`` arrays of the rows of :func:`blame_sql`:
+    per row the union of the waits for the culprit (not their sum: they overlap), and that times
+    the others' count."""
+    import pyarrow.compute as pc
+
+    if result.num_rows == 0:
+        z = np.zeros(0)
+        return z.astype(np.int64), z.astype(np.int64), z.astype(np.int64), z, z
+    table = result.arrow
+    ends = table.column("last_enters").combine_chunks()
+    delays = table.column("delays").combine_chunks()
     # (newest_first_ns keeps the column a lambda reads from being pruned on ClickHouse 18.16)
-    for last, step, n, ends, delays, members, _newest in rows:
-        d = union_length(np.asarray(ends, dtype=np.float64), np.asarray(delays, dtype=np.float64)) / 1e9
-        yield int(last), int(step), int(n), d, d * (float(members) - 1.0)
+    cell = pc.list_parent_indices(ends).to_numpy()
+    d = (
+        union_lengths(
+            cell,
+            pc.list_flatten(ends).to_numpy(zero_copy_only=False),
+            pc.list_flatten(delays).to_numpy(zero_copy_only=False),
+            table.num_rows,
+        )
+        / 1e9
+    )
+    members = result.column("avg_members").astype(np.float64)
+    return (
+        result.column("last_rank").astype(np.int64),
+        result.column("at_step").astype(np.int64),
+        result.column("collectives").astype(np.int64),
+        d,
+        d * (members - 1.0),
+    )
 
 
 @dataclass(frozen=True)
@@ -353,13 +401,5 @@ def blame_cells(
         )
     offsets = blame_offsets(store, job_id, attempt) if align else None
     sql = blame_sql(job_id, attempt, int(t0_ns), offsets=offsets, step_from=step_from, step_to=step_to)
-    cells = list(_cell_values(store.query(sql).rows()))
-    cols = list(zip(*cells)) if cells else [(), (), (), (), ()]
-    return BlameCells(
-        ranks=np.asarray(cols[0], dtype=np.int64),
-        steps=np.asarray(cols[1], dtype=np.int64),
-        collectives=np.asarray(cols[2], dtype=np.int64),
-        delay_s=np.asarray(cols[3], dtype=np.float64),
-        wait_s=np.asarray(cols[4], dtype=np.float64),
-        sql=sql,
-    )
+    last, step, n, d, w = _cell_values(store.query(sql))
+    return BlameCells(ranks=last, steps=step, collectives=n, delay_s=d, wait_s=w, sql=sql)
