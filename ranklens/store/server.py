@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from ranklens.errors import ConfigError, SchemaVersionError, StoreAuthError, StoreError, StoreUnavailable
 from ranklens.records import arrow_schema, decode_replacing, to_arrow
 from ranklens.schema import META_TABLE, SCHEMA_VERSION, render_server_ddl, table
-from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, check_batch_rows
+from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, check_batch_rows, rebatch
 
 __all__ = ["ServerConfig", "ServerStore", "hint_url", "redact_url"]
 
@@ -410,7 +410,8 @@ class ServerStore:
         The query runs on a connection of its own (the thread's client stays free for other
         queries while the iterator is open); closing the iterator closes that connection. Errors
         before the first row are retried like :meth:`query`'s; a connection lost later raises
-        :class:`StoreUnavailable` (a retry would send rows twice)."""
+        :class:`StoreUnavailable` (a retry would send rows twice). The driver streams rows, not
+        columns: a streamed read costs ~10x the CPU of :meth:`query` (bounded memory is the point)."""
         check_batch_rows(batch_rows)
         return self._iter_query(sql, batch_rows)
 
@@ -419,33 +420,33 @@ class ServerStore:
 
         cfg = self.config
         client = self._new_client(cfg.host, cfg.port, cfg.database)
-        end: Any = object()  # the end-of-stream sentinel; rows are tuples
 
         def start(c: Any) -> tuple[Any, Any]:
-            it = c.execute_iter(sql, with_column_types=True, settings={"max_block_size": batch_rows})
-            return it, next(it, end)  # the column types, once the server answered
+            # chunk_size: the driver hands rows over a list at a time (a Python loop per row here
+            # took 5.8 s for 1 M rows, this 1.9 s; query()'s columnar read, which execute_iter lacks, 0.2 s)
+            settings = {"max_block_size": batch_rows}
+            it = c.execute_iter(sql, with_column_types=True, settings=settings, chunk_size=batch_rows)
+            return it, next(it, [])  # the column types and the first rows, once the server answered
 
-        try:
-            it, types = self._run(start, idempotent=True, client=client)
-            if types is end:
-                return
-            rows: list[tuple[Any, ...]] = []
+        def tables(it: Any, types: Any, rows: list[Any]) -> Iterator[Any]:
             while True:
+                if rows:
+                    yield _arrow_table(types, list(zip(*rows)))
                 try:
-                    row = next(it, end)
+                    rows = next(it, [])
                 except ch_errors.ServerException as e:
                     raise StoreError(f"ClickHouse server {self.url} rejected the query: {_server_message(e)}") from None
                 except (ch_errors.Error, EOFError, OSError) as e:
                     raise StoreUnavailable(
                         f"ClickHouse server {self.url} failed during a streamed read (not retried): {_one_line(str(e))}"
                     ) from e
-                if row is not end:
-                    rows.append(row)
-                if len(rows) == batch_rows or (row is end and rows):
-                    yield QueryResult(_arrow_table(types, list(zip(*rows))))
-                    rows = []
-                if row is end:
+                if not rows:
                     return
+
+        try:
+            it, first = self._run(start, idempotent=True, client=client)
+            if first:  # the column types, then up to batch_rows - 1 rows
+                yield from rebatch(tables(it, first[0], first[1:]), batch_rows)
         finally:
             client.disconnect()
 
