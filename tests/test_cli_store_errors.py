@@ -177,6 +177,7 @@ class SilentServer:
             c.close()
 
 
+@pytest.mark.slow  # waits out the client timeout by design
 def test_silent_server_times_out_in_seconds_and_says_so():
     srv = SilentServer()
     try:

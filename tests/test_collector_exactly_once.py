@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ERR = "NCCL WARN Call to ibv_reg_mr failed with error Cannot allocate memory"
 # readiness deadlines are generous (a loaded machine starts a collector in tens of seconds); the
 # timeout only guards against a hang
-pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(900)]  # 20-115 s each
 READY_S = 180.0
 
 
