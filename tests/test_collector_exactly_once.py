@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ERR = "NCCL WARN Call to ibv_reg_mr failed with error Cannot allocate memory"
 # readiness deadlines are generous (a loaded machine starts a collector in tens of seconds); the
 # timeout only guards against a hang
-pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(900)]  # 20-115 s each
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 READY_S = 180.0
 
 
@@ -216,6 +216,7 @@ def _check_exactly_once(url: str, ranks: Ranks) -> tuple[int, int]:
     return int(n), len(marks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["stop", "kill"])
 def test_server_stopped_mid_run_every_row_exactly_once(tmp_path, own_server, how):
     from ranklens.store import open_store
@@ -249,6 +250,7 @@ def test_server_stopped_mid_run_every_row_exactly_once(tmp_path, own_server, how
     )
 
 
+@pytest.mark.slow
 def test_collector_killed_mid_run_every_row_exactly_once(tmp_path, server_db_url):
     from ranklens.store import open_store
 
@@ -328,6 +330,7 @@ def test_partly_stored_segment_on_a_distributed_table(tmp_path, server_db_url):
     store.close()
 
 
+@pytest.mark.slow
 def test_collector_started_before_its_store(tmp_path):
     """A node collector that starts while ClickHouse is still down keeps running (logs, spool) and
     ships everything, once, when the server comes up."""
