@@ -212,6 +212,7 @@ def test_reingest_after_a_partial_write_discards_and_writes_again(tmp_path, stor
     assert store.query("SELECT count(), uniqExact(rank) FROM collectives").rows() == [(3, 3)]
 
 
+@pytest.mark.slow
 def test_reingesting_kineto_traces_and_flight_recorder_dumps_writes_their_rows_once(tmp_path, store):
     """issue 22 #10, the other formats: a Kineto trace or a set of flight-recorder dumps ingested a
     second time is skipped (batches stamped with an ingest_id from content, job and attempt)."""
