@@ -18,9 +18,9 @@ from ranklens.analyzers.findings import save_findings
 from ranklens.analyzers.recovery import (
     AlertAttacher,
     AlertmanagerReceiver,
-    RecoveryEngine,
     FindingsExporter,
     HookRegistry,
+    RecoveryEngine,
     RecoveryMetrics,
     serve_metrics,
 )

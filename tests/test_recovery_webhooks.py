@@ -12,10 +12,10 @@ import time
 import pytest
 
 from ranklens.analyzers.recovery import (
-    RecoveryEngine,
     HookRegistry,
     Level,
     PayloadTooLarge,
+    RecoveryEngine,
     SignatureError,
     build_payload,
     sign,
