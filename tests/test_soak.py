@@ -32,8 +32,9 @@ from pathlib import Path
 
 import pytest
 
+from tests._sync import free_port as _free_port
 from tests._sync import wait_until
-from tests.test_collector_exactly_once import Server, _free_port, _need_clickhouse_server
+from tests.test_collector_exactly_once import Server, _need_clickhouse_server
 from tests.test_collector_faults import LONE_SURROGATE_ROW, _pending, _raw_segment
 
 ROOT = Path(__file__).resolve().parents[1]
