@@ -2,7 +2,9 @@
 
 Metric (SQL over the ``cpu`` table, the tracer's samples of the scheduler's per-thread counters,
 see ``tracing/_cpu.py``): per rank over a time window, the growth of its training thread's
-on-CPU time and run-queue delay (runnable, waiting for a CPU), as rates (seconds per second).
+on-CPU time and run-queue delay (runnable, waiting for a CPU), as rates (seconds per second);
+each rank's cumulative counters are interpolated at the window's two ends from the samples
+around them, so every rank is measured over the same span.
 
 Decision (:func:`explains`): a straggler or link finding's excess per step ``E`` is explained by
 host CPU contention when the suspect's run delay exceeds its peers' (their median) by at least
@@ -28,22 +30,40 @@ __all__ = ["Contention", "CpuWindow", "cpu_window", "cpu_window_sql", "discount_
 
 MIN_DELAY_SHARE = 0.5  # run delay above the peers' explains at least this share of the excess...
 MAX_CPU_SHARE = 0.25  # ...and the rank's extra CPU time is at most this share of it
-PAD_NS = 600_000_000  # samples come with the tracer's flush (0.5 s): widen short windows to two samples
+PAD_NS = 2_500_000_000  # samples come with the tracer's flush (0.5 s by default): read this far around each end
 
 
-def cpu_window_sql(job_id: str, attempt: int, t0_ns: int, t1_ns: int) -> str:
-    """Per rank: samples, time span and growth of each counter between ``t0_ns`` and ``t1_ns``."""
+_COUNTERS = ("cpu_ns", "run_delay_ns", "proc_cpu_ns", "proc_run_delay_ns")
+
+
+def cpu_window_sql(job_id: str, attempt: int, t0_ns: int, t1_ns: int, pad_ns: int = PAD_NS) -> str:
+    """Per rank, at each end ``t`` of the window: the last sample at or before ``t`` and the first
+    at or after it (time and counters), so that every rank's counters are interpolated at the same
+    two instants (ranks sample at different moments; a rank that ran on past the window's end, or
+    idled in it, must not be compared over a different span)."""
+    cols = []
+    for tag, t in (("a", int(t0_ns)), ("b", int(t1_ns))):
+        cols.append(f"maxIf(ts_ns, ts_ns <= {t}) AS {tag}_lo_ts, minIf(ts_ns, ts_ns >= {t}) AS {tag}_hi_ts")
+        for c in _COUNTERS:
+            lo = f"argMaxIf({c}, ts_ns, ts_ns <= {t}) AS {tag}_lo_{c}"
+            cols.append(f"{lo}, argMinIf({c}, ts_ns, ts_ns >= {t}) AS {tag}_hi_{c}")
     return f"""
-SELECT rank, any(host) AS host, count() AS samples, max(ts_ns) - min(ts_ns) AS span_ns,
-       argMax(cpu_ns, ts_ns) - argMin(cpu_ns, ts_ns) AS cpu_d,
-       argMax(run_delay_ns, ts_ns) - argMin(run_delay_ns, ts_ns) AS delay_d,
-       argMax(proc_cpu_ns, ts_ns) - argMin(proc_cpu_ns, ts_ns) AS proc_cpu_d,
-       argMax(proc_run_delay_ns, ts_ns) - argMin(proc_run_delay_ns, ts_ns) AS proc_delay_d
+SELECT rank, any(host) AS host, countIf(ts_ns <= {int(t0_ns)}) AS n_before, countIf(ts_ns >= {int(t1_ns)}) AS n_after,
+       min(ts_ns) AS first_ts, max(ts_ns) AS last_ts,
+       {", ".join(cols)}
 FROM cpu
-WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND ts_ns >= {int(t0_ns)} AND ts_ns <= {int(t1_ns)}
+WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}
+  AND ts_ns >= {int(t0_ns) - int(pad_ns)} AND ts_ns <= {int(t1_ns) + int(pad_ns)}
 GROUP BY rank
 ORDER BY rank
 """.strip()
+
+
+def _at(t: int, lo_ts: int, hi_ts: int, lo: float, hi: float) -> float:
+    """A cumulative counter at ``t``, linear between the samples around it."""
+    if hi_ts <= lo_ts:
+        return lo
+    return lo + (hi - lo) * (t - lo_ts) / (hi_ts - lo_ts)
 
 
 @dataclass(frozen=True)
@@ -65,29 +85,40 @@ class CpuWindow:
 
 
 def cpu_window(store: Store, job_id: str, attempt: int, t0_ns: int, t1_ns: int) -> CpuWindow:
-    """The ``cpu`` metric over ``[t0_ns, t1_ns]`` (widened by a flush interval each side); ranks
-        with fewer than two samples in it are left out (a rank traced where /proc has no schedstat
-    has none: it is never discounted)."""
-    sql = cpu_window_sql(job_id, attempt, t0_ns - PAD_NS, t1_ns + PAD_NS)
-    r = store.query(sql)
+    """The ``cpu`` metric over ``[t0_ns, t1_ns]``: every rank's counters interpolated at both ends
+    (from the samples within a flush interval or so of each end). A rank without a sample on both
+    sides of each end (not sampled: no schedstat where it ran) is left out: it is never discounted."""
+    t1_ns = max(t1_ns, t0_ns + 1)
+    r = store.query(cpu_window_sql(job_id, attempt, t0_ns, t1_ns))
+    rows = r.to_pylist()
+    # a window that runs past a rank's last sample (the job ended: its last flush) or starts before
+    # its first: narrow it to the span every rank sampled, so all are measured over the same time
+    if len(rows) >= 2:
+        lo = max(int(x["first_ts"]) for x in rows)
+        hi = min(int(x["last_ts"]) for x in rows)
+        a, b = max(t0_ns, lo), min(t1_ns, hi)
+        if (a, b) != (t0_ns, t1_ns) and b > a:
+            t0_ns, t1_ns = a, b
+            r = store.query(cpu_window_sql(job_id, attempt, t0_ns, t1_ns))
+            rows = r.to_pylist()
     ranks: list[int] = []
     hosts: dict[int, str] = {}
-    cpu: list[float] = []
-    delay: list[float] = []
-    pcpu: list[float] = []
-    pdelay: list[float] = []
-    for rank, host, n, span, cpu_d, delay_d, pcpu_d, pdelay_d in r.rows():
-        if int(n) < 2 or int(span) <= 0:
+    rates: list[list[float]] = []
+    span_s = (t1_ns - t0_ns) / 1e9
+    for row in rows:
+        if not (row["n_before"] and row["n_after"]):
             continue
-        span_s = int(span) / 1e9
-        ranks.append(int(rank))
-        hosts[int(rank)] = str(host)
-        cpu.append(int(cpu_d) / 1e9 / span_s)
-        delay.append(int(delay_d) / 1e9 / span_s)
-        pcpu.append(int(pcpu_d) / 1e9 / span_s)
-        pdelay.append(int(pdelay_d) / 1e9 / span_s)
-    f = np.asarray
-    return CpuWindow(f(ranks, dtype=np.int64), hosts, f(cpu), f(delay), f(pcpu), f(pdelay), sql)
+        vals = []
+        for c in _COUNTERS:
+            a = _at(t0_ns, row["a_lo_ts"], row["a_hi_ts"], row[f"a_lo_{c}"], row[f"a_hi_{c}"])
+            b = _at(t1_ns, row["b_lo_ts"], row["b_hi_ts"], row[f"b_lo_{c}"], row[f"b_hi_{c}"])
+            vals.append(max(0.0, b - a) / 1e9 / span_s)
+        ranks.append(int(row["rank"]))
+        hosts[int(row["rank"])] = str(row["host"])
+        rates.append(vals)
+    m = np.asarray(rates, dtype=np.float64).reshape(-1, len(_COUNTERS))
+    sql = cpu_window_sql(job_id, attempt, t0_ns, t1_ns)
+    return CpuWindow(np.asarray(ranks, dtype=np.int64), hosts, m[:, 0], m[:, 1], m[:, 2], m[:, 3], sql)
 
 
 @dataclass(frozen=True)
