@@ -87,6 +87,7 @@ def test_public_names():
         "compute_link_metrics",
         "find_slow_links",
         "link_metric_sql",
+        "transfer_sql",
         "to_findings",
     }
     assert set(ranklens.analyzers.tomography.__all__) == {
