@@ -20,6 +20,7 @@ from ranklens._worker import IDLE, Task, Worker
 from ranklens.config import node_name
 from ranklens.formats.process import pid_namespace
 from ranklens.formats.spool import SpoolWriter
+from ranklens.tracing._cpu import make_sampler as make_cpu_sampler
 from ranklens.tracing._failures import FailureLog
 
 __all__ = ["Tracer"]
@@ -27,7 +28,7 @@ __all__ = ["Tracer"]
 log = logging.getLogger("ranklens.tracing")
 
 FR_SIGNAL_KEY = "ranklens/fr_dump_signal"
-TABLES = ("collectives", "steps", "phases", "process_groups", "ranks", "heartbeats", "drops")
+TABLES = ("collectives", "steps", "phases", "process_groups", "ranks", "heartbeats", "cpu", "drops")
 
 
 class Tracer:
@@ -118,6 +119,8 @@ class Tracer:
             **{k: int(v) for k, v in (coords or {}).items() if k in ("pp", "tp", "dp") and v is not None},
         }
         self.add("ranks", dict(self._rank_row))
+        # the training thread's scheduler counters (host CPU contention vs a straggler: tracing/_cpu.py)
+        self._cpu = make_cpu_sampler(self._ident, self._host, self.count_drop)
         self.profiler: Any = None  # ranklens.tracing.profiler.ProfilerWindows, set by init()
         self._cuda_timer: Any = None
         self.clock_error_ns = 0  # worst host/device clock mapping error seen (CUDA timing)
@@ -161,6 +164,8 @@ class Tracer:
             rows = self._take()
             now = self.clock()
             rows.append(("heartbeats", self._heartbeat(now)))
+            if self._cpu is not None and (cpu := self._cpu.sample(now)) is not None:
+                rows.append(("cpu", cpu))
             self._maybe_dump_fr(now)
             # the background worker's own losses and skipped flushes, counted like ours (a late 1 ms
             # watcher tick is latency, not a loss: not counted here)
