@@ -5,7 +5,7 @@ It offers the functions and constants :mod:`ranklens.collector.nvml` uses, with 
 signatures, return shapes and error classes: :class:`NVMLError` carries the same ``value`` codes
 (``NVML_ERROR_NOT_SUPPORTED`` = 3, ...), ``NVMLError(value)`` returns the matching subclass
 (``NVMLError_NotSupported``, ``NVMLError_Timeout``, ...) and ``str()`` gives NVML's text. Values
-of the constants are NVML's (``tests/test_nvml.py`` checks them against the real module when it is
+of the constants are NVML's (``tests/collector/test_nvml.py`` checks them against the real module when it is
 installed). Every call before ``nvmlInit`` raises ``NVML_ERROR_UNINITIALIZED``, as NVML does.
 
 Devices are :class:`FakeGpu` objects whose fields tests change between samples; a field set to

@@ -13,7 +13,7 @@ Two views:
   that class; a predicted class on an example of another label is a false positive.
 - **lines**: every line on its own; ``accuracy`` is the share of lines whose class is their label.
 
-Used by ``tests/test_logfilter.py``, ``tests/test_logrules_heldout.py`` and
+Used by ``tests/collector/test_logfilter.py``, ``tests/collector/test_logrules_heldout.py`` and
 ``bench/logrules_score.py``.
 """
 

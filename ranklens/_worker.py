@@ -9,7 +9,7 @@ loops, the recovery dispatcher) registers it here instead of starting a thread o
   must be short (a poll, a status read): they share one thread and keep its cadence. A task that
   may block (disk, network) is registered with ``blocking=True``: when due it is *queued* to a
   *job* thread instead, so a slow disk delays only the jobs, never the 1 ms watcher (measured in
-  tests/test_worker.py). Jobs run on the default lane's thread; work that must not wait behind
+  tests/ground/test_worker.py). Jobs run on the default lane's thread; work that must not wait behind
   another blocking call (NVML behind a store that does not answer) names a lane of its own.
   A due run whose previous run has not finished, or a tick that ran late by
   a whole period, is an *overrun* (counted; runs are skipped, never piled up).

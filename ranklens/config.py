@@ -2,7 +2,7 @@
 
 Components take keyword arguments first; a variable is read (through these names) when the
 component is built, never at import time: torchrun forks, and a value read at import would be
-the parent's. ``tests/test_config_env.py`` checks that no other module spells a variable's name.
+the parent's. ``tests/ground/test_config_env.py`` checks that no other module spells a variable's name.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The dataclasses (``CollectivesRecord``, ``StepsRecord``, ...) are plain source generated from
 :mod:`ranklens.schema` by scripts/gen_records.py into :mod:`ranklens.formats.records_gen` (a type
-checker sees every field), and tests/test_records_gen.py fails when they drift from the schema.
+checker sees every field), and tests/ground/test_records_gen.py fails when they drift from the schema.
 Rows travel as plain dicts keyed by column name (the tracer writes them as JSON Lines without
 importing anything heavy); :func:`to_arrow` validates and converts them.
 """

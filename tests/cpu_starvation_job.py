@@ -3,7 +3,7 @@
 The rank whose ``LOCAL_RANK`` is ``CS_NICE_RANK`` lowers its CPU weight by ``CS_NICE`` (``nice``:
 with CPU hogs on the host it gets a smaller share of a core than its peers, as a rank in a
 container with fewer CPU shares, or beside a noisy neighbour, does). Nothing else changes: it does
-the same work as its peers. Used by tests/test_cpu_starvation.py.
+the same work as its peers. Used by tests/analyzers/test_cpu_starvation.py.
 """
 
 import os

@@ -1,4 +1,4 @@
-"""A plain DDP training script with no ranklens code in it (tests/test_autostep.py runs it under
+"""A plain DDP training script with no ranklens code in it (tests/tracing/test_autostep.py runs it under
 ``ranklens run -- torchrun``): a DataLoader, a loss module, SGD or Adam.
 
 Environment knobs (all optional):

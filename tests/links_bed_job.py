@@ -1,4 +1,4 @@
-"""One rank of a small 3D-parallel gloo job on the network-namespace test bed (tests/test_links_netbed.py).
+"""One rank of a small 3D-parallel gloo job on the network-namespace test bed (tests/analyzers/test_links_netbed.py).
 
 8 ranks on 4 nodes (node k holds ranks 2k, 2k+1). TP pairs within a node all-reduce 1 MiB (over
 lo, never throttled); pipeline stages are nodes {0, 1} and {2, 3}, rank r exchanges activations

@@ -1,5 +1,5 @@
 """A rank of a real 8-rank gloo job laid out with a DeviceMesh (pp x dp_replicate x tp, named),
-so the tracer learns the rank's coordinates without being told. Run by tests/test_tracing.py."""
+so the tracer learns the rank's coordinates without being told. Run by tests/tracing/test_tracing.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A small real gloo job for the `ranklens run` fault tests (tests/test_run_faults.py).
+"""A small real gloo job for the `ranklens run` fault tests (tests/app/test_run_faults.py).
 
 Run as ``python tests/run_fault_job.py`` with RANK/WORLD_SIZE/MASTER_* set. After its first
 collective it creates ``$RUN_FAULT_STARTED`` (when set) and waits for ``$RUN_FAULT_GO`` to exist

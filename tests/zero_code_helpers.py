@@ -1,5 +1,5 @@
 """Run tests/zero_code_job.py (an unmodified script) under ``ranklens run`` and score what
-``ranklens analyze --json`` says about it. Shared by tests/test_zero_code_accuracy.py and
+``ranklens analyze --json`` says about it. Shared by tests/analyzers/test_zero_code_accuracy.py and
 bench/zero_code_accuracy.py."""
 
 from __future__ import annotations

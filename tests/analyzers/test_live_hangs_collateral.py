@@ -1,0 +1,45 @@
+"""Live crash analysis, decided on a fixed heartbeat picture (fast; the real jobs are in
+tests/analyzers/test_live_hangs.py): a rank that died while waiting inside a collective is collateral."""
+
+from __future__ import annotations
+
+from ranklens.analyzers.live_hangs import HangConfig, detect_live_hangs
+
+NOW = 1_796_000_000_000_000_000
+S = 1_000_000_000
+
+
+def _hb(rank: int, age_s: float, *, pending: bool, exited: int = 0) -> dict:
+    return {
+        "job_id": "j", "attempt": 0, "rank": rank, "ts_ns": NOW - int(age_s * S), "pid": 1000 + rank,
+        "host": "elsewhere", "step": 10, "phase": "data" if not pending else "", "phase_start_ns": NOW - 30 * S,
+        "last_progress_ns": NOW - 20 * S, "pgs": ["0"], "pg_entered": [40 if pending else 39],
+        "pg_completed": [39], "pending_pgs": ["0"] if pending else [], "pending_seqs": [40] if pending else [],
+        "pending_ops": ["all_reduce"] if pending else [], "pending_nbytes": [256] if pending else [],
+        "pending_enter_ns": [NOW - 20 * S] if pending else [], "exited": exited,
+    }  # fmt: skip
+
+
+def test_rank_that_died_waiting_in_a_collective_is_not_blamed_before_its_failed_row_arrives(embedded_store):
+    # Rank 1 stopped in its data phase (its heartbeats stopped; from here its pid cannot be checked);
+    # rank 2 was waiting for it in the world all_reduce and has died since (its node's collector saw
+    # the process go), but its failed ledger row has not been shipped yet.
+    embedded_store.write(
+        "heartbeats",
+        [
+            _hb(0, 0.2, pending=True),
+            _hb(1, 15, pending=False),
+            _hb(2, 8, pending=True, exited=2),
+            _hb(3, 0.2, pending=True),
+        ],
+    )
+    embedded_store.write("ranks", [{"job_id": "j", "attempt": 0, "rank": r, "world_size": 4} for r in range(4)])
+    findings = detect_live_hangs(
+        embedded_store,
+        "j",
+        config=HangConfig(min_stall_s=2, heartbeat_stale_s=5, startup_stall_s=2),
+        now_ns=NOW,
+        pid_alive=lambda h, p: None,
+    )
+    assert [(f.kind, [s.rank for s in f.suspects]) for f in findings] == [("hang", [1])]
+    assert findings[0].evidence["cause"] == "unresponsive" and findings[0].evidence["missing"] == [1]

@@ -1,0 +1,249 @@
+"""The open ingest format: JSON Lines and Parquet, with clear errors and nothing half-written."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ranklens.errors import IngestError
+from ranklens.formats.rows import read_jsonl, read_parquet
+from ranklens.ingest import ingest_paths
+
+HEADER = {"ranklens": "records", "version": 1, "table": "collectives"}
+ROW = {"job_id": "j", "rank": 0, "pg": "0", "seq": 1, "op": "all_reduce", "enter_ns": 100}
+
+
+def _jsonl(path, *objs, raw: str = ""):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs) + raw)
+    return path
+
+
+def test_jsonl_with_header(tmp_path, store):
+    p = _jsonl(tmp_path / "anything.jsonl", HEADER, ROW, dict(ROW, rank=1, peer=-1, nbytes=8))
+    assert ingest_paths(store, [p]) == {"collectives": 2}
+    assert store.query("SELECT sum(nbytes), count() FROM collectives").rows() == [(8, 2)]
+
+
+def test_table_from_file_name_and_option(tmp_path):
+    p = _jsonl(tmp_path / "steps-rank3.jsonl", {"job_id": "j", "rank": 3, "step": 0, "start_ns": 1, "end_ns": 2})
+    assert read_jsonl(p)[0] == "steps"
+    q = _jsonl(tmp_path / "x.jsonl", {"job_id": "j", "rank": 3, "step": 0, "start_ns": 1, "end_ns": 2})
+    assert read_jsonl(q, table="steps")[0] == "steps"
+    with pytest.raises(IngestError, match="cannot tell which table"):
+        read_jsonl(q)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (
+            '{"job_id": "j", "rank": 0, "pg": "0", "seq": "one", "op": "x", "enter_ns": 1}',
+            "line 3: field 'seq': expected an integer",
+        ),
+        (
+            '{"job_id": "j", "rank": 0, "pg": "0", "seq": 1, "op": "x"}',
+            "line 3: required field 'enter_ns' is missing",
+        ),
+        (
+            '{"job_id": "j", "rank": 0, "pg": "0", "seq": 1, "op": "x", "enter_ns": 1, "bogus": 2}',
+            "line 3: field 'bogus' is not a column",
+        ),
+        (
+            '{"job_id": "j", "rank": 99999999999, "pg": "0", "seq": 1, "op": "x", "enter_ns": 1}',
+            "line 3: field 'rank': 99999999999 is out of range",
+        ),
+        (
+            '{"job_id": "j", "rank": 0, "pg": "0", "seq": 1, "op": "x", "enter_ns": 1',
+            "line 3: not valid JSON",
+        ),
+        ("[1, 2]", "line 3: expected a JSON object"),
+    ],
+)
+def test_jsonl_errors_name_file_line_and_field(tmp_path, line, message):
+    p = _jsonl(tmp_path / "c.jsonl", HEADER, ROW, raw=line + "\n")
+    with pytest.raises(IngestError) as e:
+        read_jsonl(p)
+    assert str(p) in str(e.value)
+    assert message in str(e.value)
+
+
+def test_binary_garbage_and_bad_header(tmp_path):
+    p = tmp_path / "collectives.jsonl"
+    p.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(IngestError, match="not UTF-8"):
+        read_jsonl(p)
+    q = _jsonl(tmp_path / "collectives2.jsonl", {"ranklens": "records", "version": 99, "table": "collectives"})
+    with pytest.raises(IngestError, match="unsupported header"):
+        read_jsonl(q)
+
+
+def test_nothing_half_written(tmp_path, store):
+    good = _jsonl(tmp_path / "a.jsonl", HEADER, ROW)
+    bad = _jsonl(tmp_path / "b.jsonl", HEADER, ROW, raw="not json\n")
+    with pytest.raises(IngestError, match=r"b\.jsonl: line 3"):
+        ingest_paths(store, [good, bad])
+    assert store.query("SELECT count() FROM collectives").scalar() == 0
+
+
+def test_parquet(tmp_path, store):
+    p = tmp_path / "steps.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "job_id": ["j", "j"],
+                "rank": [0, 1],
+                "step": [5, 5],
+                "start_ns": [1, 1],
+                "end_ns": [9, 10],
+                "loss": [0.1, 0.2],
+            }
+        ),
+        p,
+    )
+    assert ingest_paths(store, [p]) == {"steps": 2}
+    assert store.query("SELECT max(end_ns), min(tokens) FROM steps").rows() == [(10, -1)]
+
+
+def test_parquet_errors(tmp_path):
+    p = tmp_path / "steps.parquet"
+    pq.write_table(pa.table({"job_id": ["j"], "rank": [0], "step": [1], "start_ns": [1]}), p)
+    with pytest.raises(IngestError, match="required column 'end_ns' is missing"):
+        read_parquet(p)
+    pq.write_table(
+        pa.table({"job_id": ["j", None], "rank": [0, 1], "step": [1, 1], "start_ns": [1, 1], "end_ns": [2, 2]}),
+        p,
+    )
+    with pytest.raises(IngestError, match="row 1: column 'job_id' is null"):
+        read_parquet(p)
+    pq.write_table(pa.table({"job_id": ["j"], "rank": ["zero"], "step": [1], "start_ns": [1], "end_ns": [2]}), p)
+    with pytest.raises(IngestError, match="column 'rank'"):
+        read_parquet(p)
+    p.write_bytes(b"PAR1 truncated")
+    with pytest.raises(IngestError, match="not a readable Parquet file"):
+        read_parquet(p)
+
+
+@pytest.mark.parametrize(
+    ("table", "rows"),
+    [
+        ("collectives", [ROW, dict(ROW, rank=1, peer=3, nbytes=8, end_ns=-1), dict(ROW, seq=2, clock="cuda")]),
+        (
+            "steps",
+            [
+                {"job_id": "j", "rank": 0, "step": 1, "start_ns": 1, "end_ns": 2, "loss": 0.25},
+                {"job_id": "j", "rank": 1, "step": 1, "start_ns": 1, "end_ns": 3},
+            ],
+        ),
+        ("process_groups", [{"job_id": "j", "pg": "1", "ranks": [0, 2]}, {"job_id": "j", "pg": "2", "ranks": []}]),
+        ("heartbeats", [{"job_id": "j", "rank": 0, "ts_ns": 5, "pgs": ["0"], "pg_entered": [3], "pg_completed": [2]}]),
+    ],
+)
+def test_fast_and_strict_readers_agree(tmp_path, table, rows):
+    from ranklens.formats.rows import _read_jsonl_fast, _read_jsonl_strict
+
+    p = _jsonl(tmp_path / "seg.jsonl", {"ranklens": "records", "version": 1, "table": table}, *rows)
+    fast = _read_jsonl_fast(p, None)
+    assert fast is not None  # a well-formed segment takes the fast path
+    strict = _read_jsonl_strict(p, None)
+    assert fast[0] == strict[0] == table
+    assert fast[1].schema == strict[1].schema
+    assert fast[1].to_pylist() == strict[1].to_pylist() or all(
+        all((a == b) or (a != a and b != b) for a, b in zip(fa.values(), sa.values()))
+        for fa, sa in zip(fast[1].to_pylist(), strict[1].to_pylist())
+    )  # NaN defaults compare unequal to themselves
+
+
+def test_fast_reader_defers_to_strict_errors(tmp_path):
+    p = _jsonl(tmp_path / "seg.jsonl", HEADER, ROW, dict(ROW, rank=True))  # a bool is not an integer
+    with pytest.raises(IngestError, match="line 3: field 'rank': expected an integer"):
+        read_jsonl(p)
+
+
+def test_ingesting_the_same_file_twice_writes_its_rows_once(tmp_path, store):
+    """issue 22 #10: a second `ranklens ingest` of a file duplicated every row. Its rows carry the
+    file's ingest_id (from its content): a file the store holds is skipped, renamed or not."""
+    import shutil
+    import subprocess
+    import sys
+
+    jsonl = _jsonl(tmp_path / "collectives.jsonl", HEADER, ROW, dict(ROW, rank=1), dict(ROW, rank=2))
+    steps = pa.table({"job_id": ["j", "j"], "rank": [0, 1], "step": [0, 0], "start_ns": [1, 1], "end_ns": [2, 3]})
+    pq.write_table(steps, tmp_path / "steps.parquet")
+
+    def ingest(*paths):
+        r = subprocess.run(
+            [sys.executable, "-m", "ranklens.cli", "ingest", "--store", store_url, *map(str, paths)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    store_url = store.url  # the test server has no password: the redacted URL is the URL
+    out = ingest(jsonl, tmp_path / "steps.parquet")
+    assert "collectives: 3 rows" in out and "steps: 2 rows" in out
+    out = ingest(jsonl, tmp_path / "steps.parquet")  # again: nothing written, and it says so
+    assert "collectives: 3 rows already in the store" in out and "steps: 2 rows already in the store" in out
+    shutil.copy(jsonl, tmp_path / "collectives-copy.jsonl")  # the same content under another name
+    ingest(tmp_path / "collectives-copy.jsonl")
+    assert store.query("SELECT count() FROM collectives").scalar() == 3
+    assert store.query("SELECT count() FROM steps").scalar() == 2
+    assert store.query("SELECT uniqExact(ingest_id), min(ingest_id) > 0 FROM collectives").rows() == [(1, 1)]
+    # a changed file is new data: its rows are written (the old file's rows stay)
+    _jsonl(jsonl, HEADER, dict(ROW, seq=2))
+    assert "collectives: 1 rows" in ingest(jsonl)
+    assert store.query("SELECT count() FROM collectives").scalar() == 4
+
+
+def test_reingest_after_a_partial_write_discards_and_writes_again(tmp_path, store):
+    from ranklens.ingest import file_ingest_id
+
+    p = _jsonl(tmp_path / "c.jsonl", HEADER, ROW, dict(ROW, rank=1), dict(ROW, rank=2))
+    _, rows = read_jsonl(p)
+    iid = file_ingest_id(p, "collectives")
+    part = rows.slice(0, 1)
+    part = part.set_column(part.column_names.index("ingest_id"), "ingest_id", pa.array([iid], type=pa.uint64()))
+    store.write("collectives", part)  # an ingest interrupted after one of the file's rows
+    assert ingest_paths(store, [p]) == {"collectives": 3}
+    assert store.query("SELECT count(), uniqExact(rank) FROM collectives").rows() == [(3, 3)]
+
+
+@pytest.mark.slow
+def test_reingesting_kineto_traces_and_flight_recorder_dumps_writes_their_rows_once(tmp_path, store):
+    """issue 22 #10, the other formats: a Kineto trace or a set of flight-recorder dumps ingested a
+    second time is skipped (batches stamped with an ingest_id from content, job and attempt)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = Path(__file__).parent.parent.joinpath("data")
+    trace = data / "kineto" / "sampled_rank-0.json.gz"
+    dumps = data / "flight_recorder" / "healthy" / "fr_json"
+
+    def ingest(*args: str) -> None:
+        r = subprocess.run(
+            [sys.executable, "-m", "ranklens.cli", "ingest", "--store", store.url, *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+
+    def counts() -> tuple[int, int, int]:
+        return tuple(
+            store.query(f"SELECT count() FROM {t}").scalar() for t in ("trace_events", "collectives", "process_groups")
+        )
+
+    ingest("--job", "k", str(trace))
+    ingest("--format", "flight-recorder", "--job", "fr", str(dumps))
+    first = counts()
+    assert all(n > 0 for n in first), first
+    ingest("--job", "k", str(trace))
+    ingest("--format", "flight-recorder", "--job", "fr", str(dumps))
+    assert counts() == first
+    ingest("--job", "k2", str(trace))  # the same trace filed under another job is that job's data
+    assert counts()[0] == 2 * first[0]

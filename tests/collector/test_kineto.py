@@ -1,0 +1,78 @@
+"""Kineto (torch.profiler) traces: streamed ingest of real GPU traces, corrupt input writes nothing."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from ranklens.collector.kineto import ingest_kineto
+from ranklens.errors import IngestError
+from ranklens.formats.kineto import is_kineto_file
+
+DATA = Path(__file__).parent.parent.joinpath("data") / "kineto"
+TRACES = sorted(DATA.glob("*.json.gz"))
+
+
+def _complete_events(path: Path) -> list[dict]:
+    with gzip.open(path) as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+@pytest.mark.parametrize("trace", TRACES, ids=lambda p: p.name)
+def test_every_real_trace_ingests(trace, store):
+    expected = _complete_events(trace)
+    assert is_kineto_file(trace)
+    written = ingest_kineto(store, [trace], job_id="k")
+    assert written == {"trace_events": len(expected)}
+    r = store.query("SELECT count(), uniqExact(rank), countIf(collective != '') FROM trace_events").rows()[0]
+    assert r[0] == len(expected) and r[1] == 1
+    nccl = [e for e in expected if e.get("cat") == "kernel" and "nccl" in e["name"].lower()]
+    assert r[2] >= len(nccl) > 0
+    # microsecond timestamps become epoch nanoseconds (2023+), with baseTimeNanoseconds applied
+    assert store.query("SELECT min(ts_ns) FROM trace_events").scalar() > 1_600_000_000 * 10**9
+
+
+def test_rank_and_job_from_the_trace(tmp_path, embedded_store):
+    ingest_kineto(embedded_store, [DATA / "resnet_ddp_rank0.json.gz"])
+    ((job, rank),) = embedded_store.query("SELECT DISTINCT job_id, rank FROM trace_events").rows()
+    assert rank == 0 and job.startswith("kineto-kineto-")  # distributedInfo.rank; job from the directory
+    kinds = dict(
+        embedded_store.query(
+            "SELECT collective, count() FROM trace_events WHERE collective != '' GROUP BY collective"
+        ).rows()
+    )
+    assert kinds.get("allreduce", 0) > 0
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "bad_event"])
+def test_corrupt_traces_write_nothing(tmp_path, embedded_store, damage):
+    with gzip.open(DATA / "sampled_rank-0.json.gz") as f:
+        raw = f.read()
+    bad = tmp_path / "rank0.json.gz"
+    if damage == "truncate":
+        bad.write_bytes(gzip.compress(raw[: len(raw) // 2]))
+    elif damage == "garbage":
+        bad.write_bytes(gzip.compress(raw[:5000] + b"\x00{not json" + raw[5000:]))
+    else:
+        doc = json.loads(raw)
+        doc["traceEvents"].append({"ph": "X", "cat": "kernel", "name": "k", "ts": "soon", "dur": 1})
+        bad.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    good = DATA / "resnet_ddp_rank0.json.gz"
+    with pytest.raises(IngestError) as e:
+        ingest_kineto(embedded_store, [good, bad])
+    assert str(bad) in str(e.value)
+    assert embedded_store.query("SELECT count() FROM trace_events").scalar() == 0
+
+
+def test_cli_detects_kineto(tmp_path):
+    from click.testing import CliRunner
+
+    from ranklens.cli import cli
+
+    store = f"embedded://{tmp_path}/s"
+    r = CliRunner().invoke(cli, ["ingest", "--store", store, "--job", "resnet", str(DATA / "resnet_ddp_rank0.json.gz")])
+    assert r.exit_code == 0, r.output
+    assert "trace_events:" in r.output
