@@ -335,7 +335,11 @@ def attach_probe(finding: Finding, report: ProbeReport) -> Finding:
     else:
         conf = finding.confidence * 0.5
         clause = f"probe did not confirm: {s:.1f} MB/s vs {r:.1f} MB/s on a healthy pair"
-    return dataclasses.replace(finding, confidence=round(conf, 3), evidence=ev, title=f"{finding.title}; {clause}")
+    # a new version of the finding: newer than the one it revises (readers take the newest per id)
+    updated = max(time.time_ns(), finding.updated_ns + 1)
+    return dataclasses.replace(
+        finding, confidence=round(conf, 3), evidence=ev, title=f"{finding.title}; {clause}", updated_ns=updated
+    )
 
 
 # --------------------------------------------------------------------------------------- worker
