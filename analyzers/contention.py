@@ -110,9 +110,9 @@ def cpu_window(store: Store, job_id: str, attempt: int, t0_ns: int, t1_ns: int) 
             continue
         vals = []
         for c in _COUNTERS:
-            a = _at(t0_ns, row["a_lo_ts"], row["a_hi_ts"], row[f"a_lo_{c}"], row[f"a_hi_{c}"])
-            b = _at(t1_ns, row["b_lo_ts"], row["b_hi_ts"], row[f"b_lo_{c}"], row[f"b_hi_{c}"])
-            vals.append(max(0.0, b - a) / 1e9 / span_s)
+            at_start = _at(t0_ns, row["a_lo_ts"], row["a_hi_ts"], row[f"a_lo_{c}"], row[f"a_hi_{c}"])
+            at_end = _at(t1_ns, row["b_lo_ts"], row["b_hi_ts"], row[f"b_lo_{c}"], row[f"b_hi_{c}"])
+            vals.append(max(0.0, at_end - at_start) / 1e9 / span_s)
         ranks.append(int(row["rank"]))
         hosts[int(row["rank"])] = str(row["host"])
         rates.append(vals)
