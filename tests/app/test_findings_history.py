@@ -31,7 +31,14 @@ def _follow(store_url: str, *args: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        # Ctrl-C reaches it as at a terminal, even when this run was started in the background
+        # (a shell starts background jobs with SIGINT ignored, and a child inherits that)
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _lines(stream, into: list[str]) -> threading.Thread:
@@ -42,11 +49,16 @@ def _lines(stream, into: list[str]) -> threading.Thread:
 
 def _stop(proc: subprocess.Popen, readers: list[threading.Thread]) -> None:
     proc.send_signal(signal.SIGINT)  # Ctrl-C: --follow stops quietly
-    proc.wait(timeout=30)
-    for t in readers:
-        t.join(timeout=10)
-    proc.stdout.close()
-    proc.stderr.close()
+    try:
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:  # it did not stop: fail, but leave no process or pipe behind
+            proc.kill()
+            proc.wait()
+        for t in readers:
+            t.join(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
 
 
 def _until(cond, timeout_s: float, what: str, proc: subprocess.Popen) -> None:
