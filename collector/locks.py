@@ -30,8 +30,6 @@ def spool_lock(spool_dir: Path, wait_s: float) -> Iterator[bool]:
     """Hold ``<spool>/.ranklens-ship.lock``, waiting up to ``wait_s`` seconds for it. Yields False
     when another process holds it after that; True when held (or when there is nothing to guard:
     no spool yet, or a lock file that cannot be opened, which is logged)."""
-    import fcntl
-
     if not spool_dir.is_dir():
         yield True  # nothing to ship, nothing to guard
         return
@@ -41,23 +39,8 @@ def spool_lock(spool_dir: Path, wait_s: float) -> Iterator[bool]:
         log.warning("ranklens collector: cannot open the spool lock (%s); shipping without it", e)
         yield True
         return
-    deadline = time.monotonic() + wait_s
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    yield False
-                    return
-                time.sleep(0.05)
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+    with _flock(fd, wait_s, BlockingIOError) as held:
+        yield held
 
 
 @contextlib.contextmanager
@@ -66,8 +49,6 @@ def hold_collector_lock(spool_dir: str | os.PathLike[str]) -> Iterator[bool]:
     starts its own shipper only when it can take this lock, so it does not ship next to a running
     collector. Yields False when another process holds it (the agent runs anyway: the spool's
     ship lock and journal keep two shippers from sending anything twice)."""
-    import fcntl
-
     try:
         Path(spool_dir).mkdir(parents=True, exist_ok=True)
         fd = os.open(Path(spool_dir) / COLLECTOR_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -75,12 +56,28 @@ def hold_collector_lock(spool_dir: str | os.PathLike[str]) -> Iterator[bool]:
         log.warning("ranklens collector: cannot open %s (%s)", Path(spool_dir) / COLLECTOR_LOCK, e)
         yield False
         return
+    with _flock(fd, 0.0, OSError) as held:  # any failure to take it: run as if another held it
+        yield held
+
+
+@contextlib.contextmanager
+def _flock(fd: int, wait_s: float, busy: type[OSError]) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on the open file ``fd``, trying every 50 ms for up to ``wait_s``
+    seconds while it fails with ``busy`` (another process holds it); yields whether it is held, and
+    closes ``fd`` after."""
+    import fcntl
+
+    deadline = time.monotonic() + wait_s
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            yield False
-            return
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except busy:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.05)
         try:
             yield True
         finally:
