@@ -10,8 +10,6 @@ hogs still is.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ import pytest
 
 from ranklens.analyzers.contention import CpuWindow, explains
 from ranklens.tracing._cpu import CpuSampler, make_sampler, read_schedstat
+from tests._jobs import analyze_report, ranklens_run
 from tests.zero_code_helpers import TORCHRUN, cpu_hogs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,7 +119,6 @@ NICE = 6  # rank 3's CPU weight under the hogs: about a third of its peers' shar
 def _run(tmp_path: Path, name: str, *, slow_rank: int, optimizer: bool, nice: int = NICE) -> dict:
     """tests/zero_code_job.py under ``ranklens run`` with two CPU hogs, rank 3 given less CPU by
     the scheduler (``nice``; 0: no rank is favoured); ``ranklens analyze --json``'s report."""
-    import json
 
     store = f"embedded://{tmp_path}/store"
     env = {
@@ -139,18 +137,9 @@ def _run(tmp_path: Path, name: str, *, slow_rank: int, optimizer: bool, nice: in
     env.pop("RANKLENS_STORE", None)
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "4", str(ROOT / "tests" / "cpu_starvation_job.py")]
     with cpu_hogs(2):
-        run = subprocess.run(
-            [sys.executable, "-m", "ranklens.cli", "run", "--store", store, "--spool", str(tmp_path / "spool"),
-             "--job-id", name, "--", *cmd],
-            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
-        )  # fmt: skip
+        run = ranklens_run(store, tmp_path / "spool", cmd, job_id=name, timeout=600, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    out = subprocess.run(
-        [sys.executable, "-m", "ranklens.cli", "analyze", "--store", store, "--job", name, "--json", "--no-save"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {"store": store, "job": name, "report": json.loads(out.stdout)}
+    return {"store": store, "job": name, "report": analyze_report(store, name, timeout=300, env=env, cwd=tmp_path)}
 
 
 def _named(report: dict) -> set[int]:

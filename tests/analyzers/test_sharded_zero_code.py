@@ -6,17 +6,15 @@ on gloo), which the compute metric must still read right."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests._jobs import TORCHRUN, analyze_report, ranklens_run
+
 pytestmark = pytest.mark.e2e
 JOB = Path(__file__).parent.parent.joinpath("jobs_sharded_slow.py")
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 @pytest.mark.parametrize("mode", ["fsdp2", "tp"])
@@ -25,18 +23,10 @@ def test_sharded_job_names_the_rank_slowed_in_forward(tmp_path, mode):
     env = {k: v for k, v in os.environ.items() if k not in ("RANKLENS_JOB_ID", "RANKLENS_STORE")}
     env["OMP_NUM_THREADS"] = "1"
     job = f"sharded-{mode}"
-    run = subprocess.run(
-        [sys.executable, "-m", "ranklens.cli", "run", "--store", store, "--spool", str(tmp_path / "spool"),
-         "--job-id", job, "--", TORCHRUN, "--standalone", "--nproc-per-node", "4", str(JOB), mode],
-        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
-    )  # fmt: skip
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "4", str(JOB), mode]
+    run = ranklens_run(store, tmp_path / "spool", cmd, job_id=job, timeout=600, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    out = subprocess.run(
-        [sys.executable, "-m", "ranklens.cli", "analyze", "--store", store, "--job", job, "--json", "--no-save"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)
+    report = analyze_report(store, job, timeout=300, env=env, cwd=tmp_path)
     assert report["step_source"] == "inferred"
     stragglers = [f for f in report["findings"] if f["kind"] == "straggler"]
     titles = [f["title"] for f in stragglers]

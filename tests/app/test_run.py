@@ -11,10 +11,10 @@ import pytest
 
 from ranklens.collector import Shipper
 from ranklens.store import open_store
+from tests._jobs import TORCHRUN, ranklens, ranklens_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # a hang guard: 4-rank jobs on a loaded machine
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def _ledger(store, job):
@@ -30,26 +30,7 @@ def test_unmodified_script_gives_the_same_records_as_the_explicit_api(tmp_path):
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "4", str(ROOT / "examples/train.py")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANKLENS_JOB_ID", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ranklens.cli",
-            "run",
-            "--store",
-            store_url,
-            "--spool",
-            str(tmp_path / "spool"),
-            "--job-id",
-            "zero-code",
-            "--",
-            *cmd,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=env,
-    )
+    proc = ranklens_run(store_url, tmp_path / "spool", cmd, job_id="zero-code", timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "job zero-code exited 0" in proc.stderr
 
@@ -82,31 +63,9 @@ def test_unmodified_script_gives_the_same_records_as_the_explicit_api(tmp_path):
 def test_disable_and_exit_code_pass_through(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import sys; sys.exit(3)\n")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ranklens.cli",
-            "run",
-            "--store",
-            f"embedded://{tmp_path}/s",
-            "--spool",
-            str(tmp_path / "spool"),
-            "--",
-            sys.executable,
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = ranklens_run(f"embedded://{tmp_path}/s", tmp_path / "spool", [sys.executable, str(script)], timeout=120)
     assert proc.returncode == 3
-    proc = subprocess.run(
-        [sys.executable, "-m", "ranklens.cli", "run", "--no-collect", "--", "no-such-binary-xyz"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = ranklens("run", "--no-collect", "--", "no-such-binary-xyz", timeout=60)
     assert proc.returncode == 2 and "cannot start 'no-such-binary-xyz'" in proc.stderr
 
 

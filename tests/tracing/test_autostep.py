@@ -21,9 +21,10 @@ import torch
 import ranklens.tracing as rlt
 from ranklens.tracing._autostep import NO_STEPS_MESSAGE, AutoStep
 from ranklens.tracing.tracer import Tracer
+from tests._jobs import TORCHRUN, ranklens, ranklens_run
+from tests.tracing._trainers import hf_trainer_setup, tiny_lightning_module
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def _rows(root: Path, table: str) -> list[dict]:
@@ -299,21 +300,9 @@ def test_lightning_without_the_callback_gets_inferred_steps(traced, tmp_path):
     """Lightning runs the forward and backward inside ``optimizer.step(closure)``."""
     pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed (pip install lightning)")
 
-    class Tiny(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(8, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.layer(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-    trainer.fit(Tiny(), _loader(8))
+    trainer.fit(tiny_lightning_module(pl), _loader(8))
     rlt.shutdown()
     assert [(s["step"], s["source"]) for s in _rows(tmp_path, "steps")] == [(k, "inferred") for k in range(4)]
     per = Counter((p["step"], p["phase"]) for p in _rows(tmp_path, "phases"))
@@ -323,34 +312,7 @@ def test_lightning_without_the_callback_gets_inferred_steps(traced, tmp_path):
 def test_hf_trainer_without_the_callback_gets_inferred_steps(traced, tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     pytest.importorskip("accelerate", reason="accelerate is not installed (Trainer needs it)")
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(8, 1)
-
-        def forward(self, x, labels=None):
-            out = self.layer(x)
-            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
-
-    class Data(torch.utils.data.Dataset):
-        def __len__(self):
-            return 32
-
-        def __getitem__(self, i):
-            g = torch.Generator().manual_seed(i)
-            return {"x": torch.randn(8, generator=g), "labels": torch.randn(1, generator=g)}
-
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=3,
-        per_device_train_batch_size=8,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-    )
-    transformers.Trainer(model=Model(), args=args, train_dataset=Data()).train()
+    transformers.Trainer(**hf_trainer_setup(transformers, tmp_path)).train()
     rlt.shutdown()
     assert [(s["step"], s["source"]) for s in _rows(tmp_path, "steps")] == [(k, "inferred") for k in range(3)]
     per = Counter((p["step"], p["phase"]) for p in _rows(tmp_path, "phases"))
@@ -459,26 +421,7 @@ def _ranklens_run(tmp_path: Path, job: str, **env_extra: str) -> subprocess.Comp
     for k in ("RANKLENS_JOB_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(k, None)
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "4", str(ROOT / "tests/jobs_plain_ddp.py")]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ranklens.cli",
-            "run",
-            "--store",
-            f"embedded://{tmp_path}/store",
-            "--spool",
-            str(tmp_path / "spool"),
-            "--job-id",
-            job,
-            "--",
-            *cmd,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
+    proc = ranklens_run(f"embedded://{tmp_path}/store", tmp_path / "spool", cmd, job_id=job, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -510,22 +453,7 @@ def test_unmodified_ddp_job_gets_inferred_steps_and_its_slow_rank_named(tmp_path
     slow = q("SELECT step, (end_ns - start_ns) / 1e6 FROM phases WHERE rank = 1 AND phase = 'forward' ORDER BY step")
     assert [s for s, ms in slow.rows() if ms >= 100] == list(range(8, steps_n))
 
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ranklens.cli",
-            "analyze",
-            "--store",
-            f"embedded://{tmp_path}/store",
-            "--job",
-            "auto",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    out = ranklens("analyze", "--store", f"embedded://{tmp_path}/store", "--job", "auto", "--json", timeout=180)
     report = json.loads(out.stdout)
     assert report["step_source"] == "inferred"
     named = {s["rank"] for f in report["findings"] if f["kind"] == "straggler" for s in f["suspects"]}
