@@ -344,12 +344,7 @@ class GpuSampler:
             extra["retired_pages_dbe"] = float(len(retired_dbe))
 
         row = {
-            "host": self.host,
-            "gpu_index": g.index,
-            "gpu_uuid": g.uuid,
-            "ts_ns": now,
-            "job_id": job_id,
-            "rank": rank,
+            **self._which(g, now, job_id, rank),
             "util_pct": float(util.gpu) if util is not None else math.nan,
             "mem_used_bytes": int(mem.used) if mem is not None else _UNKNOWN_INT,
             "mem_total_bytes": int(mem.total) if mem is not None else _UNKNOWN_INT,
@@ -409,7 +404,8 @@ class GpuSampler:
         errs = [v for v in got[2:] if v is not None]
         return int(sum(errs)) if errs else _UNKNOWN_INT
 
-    def _event(self, g: _Gpu, now: int, job_id: str, rank: int, kind: str, code: int, message: str) -> dict[str, Any]:
+    def _which(self, g: _Gpu, now: int, job_id: str, rank: int) -> dict[str, Any]:
+        """The columns that say which GPU, when and for whom: the first of a sample's and an event's."""
         return {
             "host": self.host,
             "gpu_index": g.index,
@@ -417,10 +413,10 @@ class GpuSampler:
             "ts_ns": now,
             "job_id": job_id,
             "rank": rank,
-            "kind": kind,
-            "code": code,
-            "message": message,
         }
+
+    def _event(self, g: _Gpu, now: int, job_id: str, rank: int, kind: str, code: int, message: str) -> dict[str, Any]:
+        return {**self._which(g, now, job_id, rank), "kind": kind, "code": code, "message": message}
 
     def _counter_events(
         self, g: _Gpu, now: int, row: dict[str, Any], extra: dict[str, float], job_id: str, rank: int
