@@ -45,7 +45,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ranklens.collector._scan import bracket_end
 from ranklens.errors import ConfigError
@@ -61,6 +61,8 @@ __all__ = [
     "load_rules",
     "pattern_to_ere",
 ]
+
+_E = TypeVar("_E", bound=enum.Enum)
 
 
 class Action(str, enum.Enum):
@@ -536,6 +538,16 @@ class RuleSet:
         return out
 
 
+def _choice(kind: type[_E], d: Mapping[str, Any], key: str, default: str, where: str) -> _E:
+    """``d[key]`` (``default`` when missing) as a member of the string enum ``kind``."""
+    raw = str(d.get(key, default))
+    try:
+        return kind(raw)
+    except ValueError:
+        allowed = ", ".join(m.value for m in kind)
+        raise ConfigError(f"{where}: {key}={raw!r}; allowed: {allowed}") from None
+
+
 def _rule_from_mapping(d: Mapping[str, Any], where: str) -> LogRule:
     allowed = {"name", "class", "klass", "pattern", "severity", "priority", "ignore_case", "action", "block"}
     unknown = set(d) - allowed
@@ -544,19 +556,11 @@ def _rule_from_mapping(d: Mapping[str, Any], where: str) -> LogRule:
     for key in ("name", "pattern"):
         if not isinstance(d.get(key), str):
             raise ConfigError(f"{where}: {key!r} is required and must be a string")
-    action_raw = str(d.get("action", "keep"))
-    try:
-        action = Action(action_raw)
-    except ValueError:
-        raise ConfigError(f"{where}: action={action_raw!r}; allowed: keep, drop") from None
+    action = _choice(Action, d, "action", "keep", where)
     klass = d.get("class", d.get("klass", "dropped" if action is Action.DROP else None))
     if not isinstance(klass, str):
         raise ConfigError(f"{where}: 'class' is required for a keep rule and must be a string")
-    sev_raw = str(d.get("severity", "error"))
-    try:
-        severity = Severity(sev_raw)
-    except ValueError:
-        raise ConfigError(f"{where}: severity={sev_raw!r}; allowed: info, warning, error, critical") from None
+    severity = _choice(Severity, d, "severity", "error", where)
     priority = d.get("priority", 50)
     if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
         raise ConfigError(f"{where}: priority={priority!r} must be an integer in -1000..1000")
