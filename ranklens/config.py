@@ -8,6 +8,8 @@ the parent's. ``tests/ground/test_config_env.py`` checks that no other module sp
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 from ranklens.errors import ConfigError
 
@@ -83,26 +85,25 @@ def node_name() -> str:
 
 
 def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{name}={value} must be >= {minimum}")
-    return value
+    return _env_number(name, default, int, "an integer", minimum)
 
 
 def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
+    return _env_number(name, default, float, "a number", minimum)
+
+
+_N = TypeVar("_N", int, float)
+
+
+def _env_number(name: str, default: _N, parse: Callable[[str], _N], what: str, minimum: _N | None) -> _N:
+    """``$name`` parsed by ``parse``; ``default`` when unset or empty; a bad or too small value is a ConfigError."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        value = float(raw)
+        value = parse(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
+        raise ConfigError(f"{name}={raw!r} is not {what}") from None
     if minimum is not None and value < minimum:
         raise ConfigError(f"{name}={value} must be >= {minimum}")
     return value
