@@ -120,6 +120,18 @@ def _job(*, rank: bool = True) -> list[Column]:
     return cols
 
 
+def _gpu(ts_doc: str) -> list[Column]:
+    """The leading columns of the GPU tables: which GPU, when, and the job and rank using it."""
+    return [
+        _c("host", "String", "node", required=True),
+        _c("gpu_index", "Int32", "GPU index", required=True),
+        _c("gpu_uuid", "String", "GPU UUID"),
+        _c("ts_ns", "Int64", ts_doc, required=True),
+        _c("job_id", "String", "job using the GPU, '' unknown"),
+        _c("rank", "Int32", "rank using the GPU, -1 unknown", default=-1),
+    ]
+
+
 TABLES: dict[str, Table] = {}
 
 
@@ -227,12 +239,7 @@ _table(
 _table(
     "gpu_samples",
     [
-        _c("host", "String", "node", required=True),
-        _c("gpu_index", "Int32", "GPU index", required=True),
-        _c("gpu_uuid", "String", "GPU UUID"),
-        _c("ts_ns", "Int64", "sample time", required=True),
-        _c("job_id", "String", "job using the GPU, '' unknown"),
-        _c("rank", "Int32", "rank using the GPU, -1 unknown", default=-1),
+        *_gpu("sample time"),
         _c("util_pct", "Float64", "GPU utilization %"),
         _c("mem_used_bytes", "Int64", "memory used"),
         _c("mem_total_bytes", "Int64", "memory total"),
@@ -263,12 +270,7 @@ _table(
 _table(
     "gpu_events",
     [
-        _c("host", "String", "node", required=True),
-        _c("gpu_index", "Int32", "GPU index", required=True),
-        _c("gpu_uuid", "String", "GPU UUID"),
-        _c("ts_ns", "Int64", "event time", required=True),
-        _c("job_id", "String", "job using the GPU, '' unknown"),
-        _c("rank", "Int32", "rank using the GPU, -1 unknown", default=-1),
+        *_gpu("event time"),
         _c("kind", "String", "xid, ecc_sbe, ecc_dbe, row_remap, ...", required=True),
         _c("code", "Int64", "XID code or counter value"),
         _c("message", "String", "text"),
