@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -14,9 +13,10 @@ import pytest
 
 from ranklens.collector._scan import available_engines
 from ranklens.collector.logfilter import FilterStats, LogFilter, classify_file
-from ranklens.collector.rules import BUILTIN_RULES, CLASSES, RuleSet, load_rules, pattern_to_ere
+from ranklens.collector.rules import BUILTIN_RULES, CLASSES, RuleSet, load_rules
 from ranklens.errors import ConfigError
 from ranklens.records import to_arrow
+from tests.collector._ere import grep_and_python_matches
 
 DATA = Path(__file__).parent.parent / "data" / "logs" / "real_log_lines.jsonl"
 ROWS = [json.loads(line) for line in DATA.read_text().splitlines()]
@@ -288,21 +288,7 @@ def test_engines_agree_on_a_mixed_log():
 
 @pytest.mark.skipif(shutil.which("grep") is None, reason="no grep")
 def test_rules_translated_to_ere_match_the_same_lines_as_python(tmp_path):
-    f = tmp_path / "lines.log"
-    lines = [r["line"] for r in ROWS]
-    f.write_text("\n".join(lines) + "\n")
-    ere = tmp_path / "rules.ere"
-    ere.write_text("\n".join(pattern_to_ere(r.pattern, ignore_case=r.ignore_case) for r in BUILTIN_RULES) + "\n")
-    out = subprocess.run(
-        [shutil.which("grep") or "grep", "-n", "-E", "-f", str(ere), str(f)],
-        capture_output=True,
-        text=True,
-        env={"LC_ALL": "C"},
-        check=False,
-    ).stdout
-    by_grep = {int(line.split(":", 1)[0]) for line in out.splitlines()}
-    lf = LogFilter()
-    by_python = {i + 1 for i, line in enumerate(lines) if lf.classify_line(line) is not None}
+    by_grep, by_python = grep_and_python_matches(tmp_path, [r["line"] for r in ROWS], lc_all="C")
     assert by_grep == by_python
 
 

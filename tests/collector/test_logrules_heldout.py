@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,8 @@ import pytest
 from ranklens.collector._scan import available_engines
 from ranklens.collector.logfilter import LogFilter
 from ranklens.collector.logscore import NOISE, load_labelled, predict_lines, score_rows
-from ranklens.collector.rules import BUILTIN_RULES, CLASSES, pattern_to_ere
+from ranklens.collector.rules import CLASSES
+from tests.collector._ere import grep_and_python_matches
 
 DATA = Path(__file__).parent.parent / "data"
 TUNING = DATA / "logs" / "real_log_lines.jsonl"
@@ -62,21 +62,8 @@ def test_engines_classify_the_heldout_lines_alike(engine):
 
 @pytest.mark.skipif(shutil.which("grep") is None, reason="no grep")
 def test_rules_translated_to_ere_match_the_heldout_lines_like_python(tmp_path):
-    f = tmp_path / "lines.log"
-    lines = [r["line"] for r in ROWS]
-    f.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    ere = tmp_path / "rules.ere"
-    ere.write_text("\n".join(pattern_to_ere(r.pattern, ignore_case=r.ignore_case) for r in BUILTIN_RULES) + "\n")
-    out = subprocess.run(
-        [shutil.which("grep") or "grep", "-n", "-E", "-f", str(ere), str(f)],
-        capture_output=True,
-        text=True,
-        env={"LC_ALL": "C.UTF-8"},
-        check=False,
-    ).stdout
-    by_grep = {int(line.split(":", 1)[0]) for line in out.splitlines()}
-    lf = LogFilter()
-    assert by_grep == {i + 1 for i, line in enumerate(lines) if lf.classify_line(line) is not None}
+    by_grep, by_python = grep_and_python_matches(tmp_path, [r["line"] for r in ROWS], lc_all="C.UTF-8")
+    assert by_grep == by_python
 
 
 def _events(text: str) -> list[tuple[str, int, int]]:
