@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     import numpy as np
     import pyarrow as pa
 
+    from ranklens.schema import Table
+
 __all__ = [
     "DEFAULT_BATCH_ROWS",
     "READ_STATEMENTS",
@@ -23,6 +25,7 @@ __all__ = [
     "Store",
     "SupportsCompact",
     "SupportsDiscardIngest",
+    "arrow_batch",
     "check_batch_rows",
     "read_only_statement",
     "rebatch",
@@ -211,6 +214,20 @@ class SupportsCompact(Protocol):
     def compact(self) -> dict[str, int]:
         """Merge small parts; return how many parts each table lost."""
         ...
+
+
+def arrow_batch(table_name: str, data: Any) -> tuple[Table, pa.Table]:
+    """What :meth:`Store.write` takes for ``table_name`` (an Arrow table, records or dicts, or one of
+    them) as the table's schema entry and an Arrow table of exactly its columns and types."""
+    import pyarrow as pa
+
+    from ranklens.records import arrow_schema, to_arrow
+    from ranklens.schema import table
+
+    t = table(table_name)
+    if not isinstance(data, pa.Table):
+        data = to_arrow(t.name, data if isinstance(data, Iterable) else [data])
+    return t, data.select(t.column_names).cast(arrow_schema(t.name))
 
 
 def check_batch_rows(batch_rows: int) -> int:

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from ranklens.errors import SchemaVersionError, StoreError, StoreUnavailable
-from ranklens.records import arrow_schema, empty_arrow, repair_utf8, to_arrow
+from ranklens.records import empty_arrow, repair_utf8
 from ranklens.schema import SCHEMA_VERSION, TABLES, table
-from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, _code_tokens, check_batch_rows, rebatch
+from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, _code_tokens, arrow_batch, check_batch_rows, rebatch
 from ranklens.store.api import sql_string as _sql_quote
 
 __all__ = ["EmbeddedStore"]
@@ -201,16 +201,11 @@ class EmbeddedStore:
         return self.write_many({table_name: data})[table_name]
 
     def write_many(self, batches: Mapping[str, Any]) -> dict[str, int]:
-        import pyarrow as pa
-
         staged: list[tuple[str, Path, int]] = []
         counts: dict[str, int] = {}
         try:
             for name, data in batches.items():
-                t = table(name)
-                if not isinstance(data, pa.Table):
-                    data = to_arrow(t.name, data if isinstance(data, Iterable) else [data])
-                data = data.select(t.column_names).cast(arrow_schema(t.name))
+                t, data = arrow_batch(name, data)
                 counts[t.name] = counts.get(t.name, 0) + data.num_rows
                 if data.num_rows == 0:
                     continue

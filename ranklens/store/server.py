@@ -18,9 +18,9 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ranklens.errors import ConfigError, SchemaVersionError, StoreAuthError, StoreError, StoreUnavailable
-from ranklens.records import arrow_schema, decode_replacing, to_arrow
+from ranklens.records import decode_replacing
 from ranklens.schema import META_TABLE, SCHEMA_VERSION, render_server_ddl, table
-from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, check_batch_rows, rebatch
+from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, arrow_batch, check_batch_rows, rebatch
 
 __all__ = ["ServerConfig", "ServerStore", "hint_url", "redact_url"]
 
@@ -292,15 +292,10 @@ class ServerStore:
         return self.write_many({table_name: data})[table_name]
 
     def write_many(self, batches: Mapping[str, Any]) -> dict[str, int]:
-        import pyarrow as pa
-
         counts: dict[str, int] = {}
         prepared = []
         for name, data in batches.items():
-            t = table(name)
-            if not isinstance(data, pa.Table):
-                data = to_arrow(t.name, data if isinstance(data, Iterable) else [data])
-            data = data.select(t.column_names).cast(arrow_schema(t.name))
+            t, data = arrow_batch(name, data)
             counts[t.name] = counts.get(t.name, 0) + data.num_rows
             if data.num_rows:
                 prepared.append((t, data))
