@@ -22,6 +22,7 @@ __all__ = [
     "finding_id",
     "latest_columns",
     "latest_findings",
+    "latest_findings_sql",
     "load_finding",
     "save_findings",
     "strip_latest",
@@ -229,9 +230,22 @@ def save_findings(store: Store, findings: list[Finding]) -> int:
     return store.write("findings", [f.to_row() for f in findings])
 
 
+def latest_findings_sql(
+    job_id: str, attempt: int | None, cols: Iterable[str], *, more: str = "", limit: int | None = None
+) -> str:
+    """The query for the newest version of every finding of a job (of every attempt when ``attempt``
+    is None), most impactful first: ``id``, ``latest_<c>`` of each of ``cols`` (``impact_s``
+    among them), ``latest_updated_ns``, then the aggregates in ``more``; at most ``limit`` rows."""
+    where = f"job_id = '{_esc(job_id)}'" + (f" AND attempt = {int(attempt)}" if attempt is not None else "")
+    return (
+        f"SELECT id, {latest_columns(cols)}, max(updated_ns) AS latest_updated_ns{f', {more}' if more else ''} "
+        f"FROM findings WHERE {where} GROUP BY id ORDER BY latest_impact_s DESC, id"
+        + (f" LIMIT {int(limit)}" if limit is not None else "")
+    )
+
+
 def latest_findings(store: Store, job_id: str, attempt: int | None = None) -> list[dict[str, Any]]:
     """The newest version of every finding of a job, most impactful first."""
-    where = f"job_id = '{_esc(job_id)}'" + (f" AND attempt = {int(attempt)}" if attempt is not None else "")
     cols = (
         "kind",
         "severity",
@@ -246,8 +260,5 @@ def latest_findings(store: Store, job_id: str, attempt: int | None = None) -> li
         "last_seen_step",
         "evidence",
     )
-    r = store.query(
-        f"SELECT id, {latest_columns(cols)}, max(updated_ns) AS latest_updated_ns FROM findings WHERE {where} "
-        "GROUP BY id ORDER BY latest_impact_s DESC, id"
-    )
+    r = store.query(latest_findings_sql(job_id, attempt, cols))
     return [strip_latest(row) for row in r.to_pylist()]

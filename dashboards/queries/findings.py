@@ -37,14 +37,17 @@ _FINDING_COLS = (
 
 def findings(store: Store, job_id: str, attempt: int | None = None, limit: int = 500) -> pd.DataFrame:
     """The newest version of every finding of a job, most costly first (``evidence`` parsed)."""
-    where = f"job_id = '{esc(job_id)}'" + (f" AND attempt = {int(attempt)}" if attempt is not None else "")
-    from ranklens.analyzers.findings import latest_columns
+    from ranklens.analyzers.findings import latest_findings_sql
 
     df = frame(
         store,
-        f"SELECT id, {latest_columns(_FINDING_COLS)}, max(updated_ns) AS latest_updated_ns, "
-        f"min(updated_ns) AS first_reported_ns, count() AS versions FROM findings WHERE {where} GROUP BY id "
-        f"ORDER BY latest_impact_s DESC, id LIMIT {int(limit)}",
+        latest_findings_sql(
+            job_id,
+            attempt,
+            _FINDING_COLS,
+            more="min(updated_ns) AS first_reported_ns, count() AS versions",
+            limit=limit,
+        ),
     )
     df.columns = [c.removeprefix("latest_") for c in df.columns]
     df["evidence"] = [_parse_json(e) for e in df["evidence"]]
