@@ -124,36 +124,28 @@ def related_events(
         sev = gpu_event_severity(str(e["kind"]), int(e["code"]))
         if _SEVERITY_RANK[sev] < _SEVERITY_RANK[min_severity]:
             continue
-        out.append(
-            {
-                "source": "gpu",
-                "ts_ns": int(e["ts_ns"]),
-                "host": str(e["host"]),
-                "rank": int(e["rank"]),
-                "kind": str(e["kind"]),
-                "code": int(e["code"]),
-                "severity": sev,
-                "message": f"GPU {e['gpu_index']}: {e['message']}",
-            }
-        )
+        out.append(_event_row("gpu", e, str(e["kind"]), int(e["code"]), sev, f"GPU {e['gpu_index']}: {e['message']}"))
     for e in logs:
         msg = str(e["message"])
         if int(e["repeat_count"]) > 1:
             msg += f" (x{int(e['repeat_count'])})"
-        out.append(
-            {
-                "source": "log",
-                "ts_ns": int(e["ts_ns"]),
-                "host": str(e["host"]),
-                "rank": int(e["rank"]),
-                "kind": str(e["klass"]),
-                "code": 0,
-                "severity": str(e["severity"]),
-                "message": msg[:500],
-            }
-        )
+        out.append(_event_row("log", e, str(e["klass"]), 0, str(e["severity"]), msg[:500]))
     out.sort(key=lambda e: (e["ts_ns"], e["source"], e["host"], e["rank"]))
     return out
+
+
+def _event_row(source: str, e: dict[str, Any], kind: str, code: int, severity: str, message: str) -> dict[str, Any]:
+    """A row of :func:`related_events` from a stored event ``e`` (its time, host and rank)."""
+    return {
+        "source": source,
+        "ts_ns": int(e["ts_ns"]),
+        "host": str(e["host"]),
+        "rank": int(e["rank"]),
+        "kind": kind,
+        "code": code,
+        "severity": severity,
+        "message": message,
+    }
 
 
 def _enrich(f: Finding, rows: list[dict[str, Any]], hosts: dict[int, str], onset: int, max_events: int) -> Finding:
