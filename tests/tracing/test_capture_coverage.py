@@ -22,6 +22,7 @@ from ranklens.store import open_store
 from ranklens.tracing._fr_ring import new_entries, ring_capacity
 from ranklens.tracing._ledger import Ledger
 from ranklens.tracing.tracer import Tracer
+from tests.tracing._fakes import FakeClock
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -196,17 +197,8 @@ class FakeRing:
         return got, lost
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000
-
-    def __call__(self) -> int:
-        self.t += 10
-        return self.t
-
-
 def _ledger(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     t = Tracer(job_id="j", attempt=0, rank=0, world_size=2, spool_dir=str(tmp_path), flush_interval_s=60, clock=clock)
     ring = FakeRing()
     t.ledger = Ledger(t, ring, capacity=8, max_delay_s=0)

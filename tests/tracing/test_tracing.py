@@ -15,15 +15,7 @@ import pytest
 from ranklens.collector import Shipper
 from ranklens.tracing.tracer import Tracer
 from tests._sync import wait_until
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1_000
-
-    def __call__(self) -> int:
-        self.t += 10
-        return self.t
+from tests.tracing._fakes import FakeClock
 
 
 def _segments(root: Path, table: str) -> list[dict]:
@@ -471,10 +463,9 @@ def test_init_registers_no_fork_hook_and_forked_children_reset(tmp_path, monkeyp
         rlt.shutdown()
 
 
-def test_one_worker_and_a_stuck_disk_never_stalls_the_watcher(tmp_path):
-    """The tracer's flush, watcher (and ring reader, CUDA timer) share one worker; the flush is a
-    queued job, so a spool write that hangs does not keep the 1 ms watcher from completing works,
-    and shutdown stays bounded."""
+def _tracer_with_a_stuck_write(tmp_path):
+    """A tracer flushing every 10 ms whose spool writes hang (up to 30 s) until ``release`` is set;
+    ``writing`` is set as one starts. Returns (tracer, writing, release)."""
     import threading
 
     t = Tracer(job_id="j", attempt=0, rank=0, world_size=1, spool_dir=str(tmp_path), flush_interval_s=0.01)
@@ -487,6 +478,16 @@ def test_one_worker_and_a_stuck_disk_never_stalls_the_watcher(tmp_path):
         return real_write(table, rows)
 
     t._writer.write = stuck_write
+    return t, writing, release
+
+
+def test_one_worker_and_a_stuck_disk_never_stalls_the_watcher(tmp_path):
+    """The tracer's flush, watcher (and ring reader, CUDA timer) share one worker; the flush is a
+    queued job, so a spool write that hangs does not keep the 1 ms watcher from completing works,
+    and shutdown stays bounded."""
+    import threading
+
+    t, writing, release = _tracer_with_a_stuck_write(tmp_path)
     try:
         assert writing.wait(10)  # a flush is stuck in the disk write
 
@@ -562,18 +563,7 @@ def test_cuda_timer_polls_on_the_worker_and_a_hung_calibration_is_bounded():
 def test_worker_overruns_reach_the_drops_table(tmp_path):
     """A flush that outlasts its period skips runs (the worker counts overruns); the count is
     spooled as a ``drops`` row like the tracer's own."""
-    import threading
-
-    t = Tracer(job_id="j", attempt=0, rank=0, world_size=1, spool_dir=str(tmp_path), flush_interval_s=0.01)
-    writing, release = threading.Event(), threading.Event()
-    real_write = t._writer.write
-
-    def slow_write(table, rows):
-        writing.set()
-        release.wait(30)
-        return real_write(table, rows)
-
-    t._writer.write = slow_write
+    t, writing, release = _tracer_with_a_stuck_write(tmp_path)
     try:
         assert writing.wait(10)
         wait_until(
