@@ -322,11 +322,10 @@ def parse_policy(
 
 
 def _rule(r: _Reader, d: Any, i: int) -> PolicyRule:
-    where = f"rule[{i}]"
-    r.table(d, where)
-    r.keys(
+    name, where = r.entry(
         d,
-        where,
+        "rule",
+        i,
         {
             "name",
             "kinds",
@@ -339,8 +338,6 @@ def _rule(r: _Reader, d: Any, i: int) -> PolicyRule:
             "max_level",
         },
     )
-    name = r.string(d, where, "name", f"rule-{i}")
-    where = f"rule[{i}] ({name})"
     if "level" not in d:
         raise PolicyError(r.source, f"{where}.level", f"missing; one of {_choices()} or {RECOMMENDED!r}")
     lv_raw = r.string(d, where, "level", "")
@@ -361,11 +358,10 @@ def _rule(r: _Reader, d: Any, i: int) -> PolicyRule:
 def _endpoint(
     r: _Reader, d: Any, i: int, base_dir: str | os.PathLike[str] | None, env: Mapping[str, str], source: str
 ) -> Endpoint:
-    where = f"endpoint[{i}]"
-    r.table(d, where)
-    r.keys(
+    name, where = r.entry(
         d,
-        where,
+        "endpoint",
+        i,
         {
             "name",
             "url",
@@ -382,8 +378,6 @@ def _endpoint(
             "secret",
         },
     )
-    name = r.string(d, where, "name", f"endpoint-{i}")
-    where = f"endpoint[{i}] ({name})"
     if "secret" in d:
         raise PolicyError(
             source, f"{where}.secret", "secrets are not written in the policy file; use secret_env or secret_file"
@@ -451,6 +445,15 @@ class _Reader:
     def table(self, d: Any, where: str) -> None:
         if not isinstance(d, dict):
             raise PolicyError(self.source, where, f"expected a table, got {type(d).__name__} {d!r}")
+
+    def entry(self, d: Any, section: str, i: int, allowed: set[str]) -> tuple[str, str]:
+        """The ``i``-th table of the ``[[section]]`` array, checked (a table, no unknown key): its
+        name (``section-i`` when it has none) and where its keys are, for messages: ``section[i] (name)``."""
+        where = f"{section}[{i}]"
+        self.table(d, where)
+        self.keys(d, where, allowed)
+        name = self.string(d, where, "name", f"{section}-{i}")
+        return name, f"{where} ({name})"
 
     def array(self, d: Mapping[str, Any], where: str, key: str) -> list[Any]:
         v = d.get(key, [])
