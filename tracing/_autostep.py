@@ -66,6 +66,15 @@ STAMPED_MESSAGE = (
 )
 
 
+def _remove_hooks(handles: list[Any]) -> None:
+    """Remove every hook handle in ``handles``; one that fails to go does not keep the others."""
+    for h in handles:
+        try:
+            h.remove()
+        except Exception:
+            pass
+
+
 class AutoStep:
     """Infers the steps and phases of one rank (see the module doc). Install with :meth:`install`;
     every hook is a no-op once the tracer is disabled, and none raises into the training code.
@@ -172,11 +181,7 @@ class AutoStep:
         """Remove every hook (idempotent). ``torch.autograd.backward`` is restored unless someone
         wrapped it after us (then ours stays, passing straight through)."""
         self._drop_global()
-        for h in self._handles:
-            try:
-                h.remove()
-            except Exception:
-                pass
+        _remove_hooks(self._handles)
         self._handles = []
         torch = getattr(self, "_torch", None)
         if torch is not None and self._backward is not None and torch.autograd.backward is self._backward:
@@ -189,11 +194,7 @@ class AutoStep:
             self._optim_init = None
 
     def _drop_global(self) -> None:
-        for h in self._global:
-            try:
-                h.remove()
-            except Exception:
-                pass
+        _remove_hooks(self._global)
         self._global = []
         self._gdepth = 0
         self._gmod = None
