@@ -240,6 +240,17 @@ class Tailer:
 
     # --- discovery ------------------------------------------------------------------------
 
+    def _resume(self, path: str, st: os.stat_result, source: LogSource, saved: dict[str, Any]) -> None:
+        """Open a file where its saved state (an entry of the state file) left it."""
+        self._open(
+            path,
+            st,
+            source,
+            offset=int(saved["offset"]),
+            fingerprint=saved.get("fingerprint", ""),
+            skip=bool(saved.get("skip")),
+        )
+
     def _open(
         self,
         path: str,
@@ -292,14 +303,7 @@ class Tailer:
                     continue
                 saved = self._known.pop(key, None)
                 if saved is not None:
-                    self._open(
-                        path,
-                        st,
-                        source,
-                        offset=int(saved["offset"]),
-                        fingerprint=saved.get("fingerprint", ""),
-                        skip=bool(saved.get("skip")),
-                    )
+                    self._resume(path, st, source, saved)
                 elif self._first_scan and source.start_at == "end":
                     self._open(path, st, source, offset=st.st_size)
                 else:
@@ -330,14 +334,7 @@ class Tailer:
                     if source is None:
                         break
                     del self._known[key]
-                    self._open(
-                        e.path,
-                        st,
-                        source,
-                        offset=int(saved["offset"]),
-                        fingerprint=saved.get("fingerprint", ""),
-                        skip=bool(saved.get("skip")),
-                    )
+                    self._resume(e.path, st, source, saved)
                     if key in self._files:
                         self._files[key].rotated = True
                     break
