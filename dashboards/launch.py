@@ -20,6 +20,7 @@ from typing import IO, Any
 
 from ranklens.config import ENV_STORE
 from ranklens.errors import ConfigError
+from ranklens.formats.process import stop_process
 
 __all__ = ["APP_PATH", "dashboard_command", "dashboard_env", "run_dashboard", "start_dashboard"]
 
@@ -139,17 +140,6 @@ def _on_signal(signum: int, _frame: Any) -> None:
     raise _Terminated(signum)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def run_dashboard(store_url: str | None = None, host: str = "127.0.0.1", port: int = 8501) -> int:
     """Serve the dashboard until interrupted; return the server's exit status (0 after Ctrl-C).
 
@@ -178,4 +168,4 @@ def run_dashboard(store_url: str | None = None, host: str = "127.0.0.1", port: i
         for s, h in previous.items():  # a second SIGTERM kills us; PR_SET_DEATHSIG then stops the child
             signal.signal(s, h)
         if proc is not None:
-            _stop(proc)
+            stop_process(proc)

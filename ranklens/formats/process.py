@@ -1,14 +1,17 @@
 """Process helpers shared by the tracer (which writes its pid namespace into heartbeats), the node's
-collector (which checks the pids it can see) and the live hang analyzer."""
+collector (which checks the pids it can see), the live hang analyzer and the dashboard launcher
+(which stops its server)."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+from typing import Any
 
 from ranklens.config import node_name
 
-__all__ = ["pid_alive_local", "pid_namespace"]
+__all__ = ["pid_alive_local", "pid_namespace", "stop_process"]
 
 
 def pid_namespace() -> int:
@@ -36,3 +39,16 @@ def pid_alive_local(host: str, pid: int) -> bool | None:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
+    """Stop a child: SIGTERM, then SIGKILL when it has not exited within ``timeout_s``; reaped either
+    way (nothing to do when it has exited)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

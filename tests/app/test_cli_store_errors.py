@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from ranklens.formats.process import stop_process
 from tests._sync import free_port, wait_until
 from tests.conftest import REQUIRE_SERVER, _need_server
 from tests.helpers import synthetic_job
@@ -88,12 +89,7 @@ def password_server(tmp_path):
         )
         yield tcp
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout_s=30)
 
 
 def test_schema_migrate_never_prints_the_password(password_server):

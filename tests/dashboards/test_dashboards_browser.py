@@ -115,6 +115,7 @@ def jobs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(jobs, tmp_path_factory):
     from ranklens.dashboards.launch import start_dashboard
+    from ranklens.formats.process import stop_process
 
     port = free_port()
     log_path = tmp_path_factory.mktemp("streamlit") / "server.log"
@@ -140,12 +141,7 @@ def server(jobs, tmp_path_factory):
         )
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout_s=15)
 
 
 def _load(browser: Chromium, url: str, title: str, want: int, timeout_s: float = 180.0) -> dict:
