@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ranklens.store import open_store
+from tests._jobs import ranklens
 from tests._sync import wait_until
 
 # readiness deadlines are generous (torch starts in tens of seconds on a loaded machine); the
@@ -40,6 +41,11 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _ranklens_run(*args: str) -> list[str]:
     return [sys.executable, "-m", "ranklens.cli", "run", *args, "--", sys.executable, JOB]
+
+
+def _run_job(*args: str) -> subprocess.CompletedProcess[str]:
+    """``ranklens run ARGS -- python run_fault_job.py`` to its end (within READY_S), output captured."""
+    return ranklens("run", *args, "--", sys.executable, JOB, timeout=READY_S, env=_env())
 
 
 def _lines(text: str, needle: str) -> list[str]:
@@ -71,13 +77,7 @@ def test_unwritable_spool_runs_the_command_untraced_with_one_warning(tmp_path, r
     else:
         spool = request.getfixturevalue("read_only_dir") / "spool"
     args = ["--store", f"embedded://{tmp_path / 'store'}"] if collect else ["--no-collect"]
-    p = subprocess.run(
-        _ranklens_run(*args, "--spool", str(spool), "--job-id", "ro"),
-        capture_output=True,
-        text=True,
-        timeout=READY_S,
-        env=_env(),
-    )
+    p = _run_job(*args, "--spool", str(spool), "--job-id", "ro")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "trained 3 steps on rank 0" in p.stdout  # training ran, to its end
     warnings = _lines(p.stderr, "cannot write the spool")
@@ -89,16 +89,8 @@ def test_failing_command_exit_code_passes_through_an_unwritable_spool(tmp_path):
     (tmp_path / "a-file").write_text("")
     script = tmp_path / "fail.py"
     script.write_text("import sys; sys.exit(3)\n")
-    p = subprocess.run(
-        [
-            *(sys.executable, "-m", "ranklens.cli", "run", "--no-collect"),
-            *("--spool", str(tmp_path / "a-file" / "x"), "--", sys.executable, str(script)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=_env(),
-    )
+    spool = str(tmp_path / "a-file" / "x")
+    p = ranklens("run", "--no-collect", "--spool", spool, "--", sys.executable, str(script), timeout=60, env=_env())
     assert p.returncode == 3 and len(_lines(p.stderr, "cannot write the spool")) == 1
 
 
@@ -152,13 +144,7 @@ def test_store_down_at_start_trains_spools_and_ships_when_the_store_comes_up(tmp
 
 def test_store_down_for_the_whole_run_leaves_the_records_in_the_spool_and_says_how_to_ship(tmp_path):
     url = f"clickhouse://default@127.0.0.1:{_free_port()}/rl_run_down"  # nothing listens there
-    p = subprocess.run(
-        _ranklens_run("--store", url, "--spool", str(tmp_path / "spool"), "--job-id", "down2"),
-        capture_output=True,
-        text=True,
-        timeout=READY_S,
-        env=_env(),
-    )
+    p = _run_job("--store", url, "--spool", str(tmp_path / "spool"), "--job-id", "down2")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "trained 3 steps on rank 0" in p.stdout
     assert len(_lines(p.stderr, "ranklens run: warning:")) == 1
@@ -170,13 +156,7 @@ def test_store_down_for_the_whole_run_leaves_the_records_in_the_spool_and_says_h
     assert "Traceback" not in p.stderr
     # and they do ship, once there is a store
     store_url = f"embedded://{tmp_path / 'store'}"
-    c = subprocess.run(
-        [sys.executable, "-m", "ranklens.cli", "collect", "--store", store_url, "--spool", str(tmp_path / "spool")],
-        capture_output=True,
-        text=True,
-        timeout=READY_S,
-        env=_env(),
-    )
+    c = ranklens("collect", "--store", store_url, "--spool", str(tmp_path / "spool"), timeout=READY_S, env=_env())
     assert c.returncode == 0, c.stderr
     store = open_store(store_url, create=False)
     assert store.query("SELECT count() FROM collectives WHERE job_id = 'down2'").scalar() == 4
@@ -283,13 +263,7 @@ def test_embedded_store_that_cannot_be_opened_trains_and_keeps_the_records(tmp_p
     (tmp_path / "a-file").write_text("")
     bad = f"embedded://{tmp_path / 'a-file' / 'store'}"
     spool = tmp_path / "spool"
-    p = subprocess.run(
-        _ranklens_run("--store", bad, "--spool", str(spool), "--job-id", "emb"),
-        capture_output=True,
-        text=True,
-        timeout=READY_S,
-        env=_env(),
-    )
+    p = _run_job("--store", bad, "--spool", str(spool), "--job-id", "emb")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "trained 3 steps on rank 0" in p.stdout
     warnings = _lines(p.stderr, "ranklens run: warning:")
