@@ -275,18 +275,7 @@ def test_two_processes_sharing_an_outbox_never_claim_the_same_delivery(tmp_path)
     clock = Clock()
     a, b = DeliveryOutbox(tmp_path / "ob", clock_ns=clock), DeliveryOutbox(tmp_path / "ob", clock_ns=clock)
     try:
-        assert a.record_decision(
-            key="k1",
-            finding_id="f",
-            job_id="j",
-            attempt=0,
-            action="notify",
-            target="rank:0",
-            outcome="decided",
-            audit_rows=[],
-            deliveries=[NewDelivery("rx", b"{}")],
-        )
-        assert not b.record_decision(
+        decision = dict(
             key="k1",
             finding_id="f",
             job_id="j",
@@ -296,6 +285,8 @@ def test_two_processes_sharing_an_outbox_never_claim_the_same_delivery(tmp_path)
             outcome="decided",
             audit_rows=[],
         )
+        assert a.record_decision(**decision, deliveries=[NewDelivery("rx", b"{}")])
+        assert not b.record_decision(**decision)  # the same decision again: a has it
         assert [d.key for d in a.claim_due(lease_s=30)] == ["k1"]
         assert b.claim_due(lease_s=30) == []  # leased by a
         clock.advance(31)  # a died without finishing: the lease runs out, b takes over
