@@ -225,34 +225,25 @@ def gantt_chart(
             "waited %{customdata[4]} ms for rank %{customdata[3]} (last arriver)<br>"
             "then %{customdata[5]} ms to complete<extra>%{y}</extra>"
         )
-        fig.add_trace(
-            go.Bar(
-                orientation="h",
-                y=ys,
-                base=to_datetime(enter),
-                x=wait_ms,
-                offset=-0.42,
-                width=0.4,
-                name="waiting for last arriver",
-                marker={"color": WAIT_COLOR, "pattern": {"shape": "/"}},
-                customdata=info,
-                hovertemplate=hover,
+        # each collective is two bars end to end: the wait for the last arriver, then the transfer
+        for start, dur_ms, name, marker in (
+            (enter, wait_ms, "waiting for last arriver", {"color": WAIT_COLOR, "pattern": {"shape": "/"}}),
+            (last, xfer_ms, "collective after last arrival", {"color": XFER_COLOR}),
+        ):
+            fig.add_trace(
+                go.Bar(
+                    orientation="h",
+                    y=ys,
+                    base=to_datetime(start),
+                    x=dur_ms,
+                    offset=-0.42,
+                    width=0.4,
+                    name=name,
+                    marker=marker,
+                    customdata=info,
+                    hovertemplate=hover,
+                )
             )
-        )
-        fig.add_trace(
-            go.Bar(
-                orientation="h",
-                y=ys,
-                base=to_datetime(last),
-                x=xfer_ms,
-                offset=-0.42,
-                width=0.4,
-                name="collective after last arrival",
-                marker_color=XFER_COLOR,
-                customdata=info,
-                hovertemplate=hover,
-            )
-        )
         if highlight is not None:
             h = c[(c["pg"] == highlight[0]) & (c["seq"] == int(highlight[1]))].sort_values("rank")
             if not h.empty:

@@ -235,24 +235,17 @@ def step_window(ctx: Context, default_width: int, max_width: int, prefix: str) -
     hi_default = min(max(hi_default, lo_default), max(b.last_step, b.first_step))
     # the URL's values are part of the widget keys: following a new link resets the window
     suffix = f"{ctx.job_id}_{ctx.attempt}_{qp_str('step_from')}_{qp_str('step_to')}"
-    c1, c2 = st.columns(2)
-    lo = int(
-        c1.number_input(
-            "from step",
-            min_value=b.first_step,
-            max_value=max(b.last_step, b.first_step),
-            value=lo_default,
-            key=f"{prefix}_from_{suffix}",
+    lo, hi = (
+        int(
+            col.number_input(
+                f"{end} step",
+                min_value=b.first_step,
+                max_value=max(b.last_step, b.first_step),
+                value=default,
+                key=f"{prefix}_{end}_{suffix}",
+            )
         )
-    )
-    hi = int(
-        c2.number_input(
-            "to step",
-            min_value=b.first_step,
-            max_value=max(b.last_step, b.first_step),
-            value=hi_default,
-            key=f"{prefix}_to_{suffix}",
-        )
+        for col, end, default in zip(st.columns(2), ("from", "to"), (lo_default, hi_default))
     )
     if hi < lo:
         lo, hi = hi, lo
