@@ -22,23 +22,20 @@ def _suspect_ranks(finding) -> list[int]:
     return sorted({s.rank for s in finding.suspects if s.rank >= 0})
 
 
+def _the_finding(store, kind: str, faults: list[str], job_id: str):
+    """A simulated 32-rank job (pp 2 x dp 4 x tp 4, 4 ranks a node) with ``faults``, and the one
+    finding of ``kind`` the analyzers make of it."""
+    job = simulate(store, ranks=32, steps=12, pp=2, tp=4, ranks_per_node=4, faults=faults, job_id=job_id)
+    found = [f for f in analyze_job(store, job.job_id, 0) if f.kind == kind]
+    assert len(found) == 1, [f.title for f in found]
+    return job, found[0]
+
+
 def test_worst_ranks_are_the_straggler_findings_suspects(store):
     # rank 13 computes 1.3x slower from step 4; node 0's clock runs 200 ms ahead, so on raw clocks
     # ranks 0..3 seem to arrive last at every collective they share with another node: only the
     # analyzer's aligned blame keeps them innocent
-    job = simulate(
-        store,
-        ranks=32,
-        steps=12,
-        pp=2,
-        tp=4,
-        ranks_per_node=4,
-        faults=[f"slow_gpu:{STRAGGLER}:1.3@4", "clock_skew:0:200"],
-        job_id="agree-straggler",
-    )
-    found = [f for f in analyze_job(store, job.job_id, 0) if f.kind == "straggler"]
-    assert len(found) == 1, [f.title for f in found]
-    f = found[0]
+    job, f = _the_finding(store, "straggler", [f"slow_gpu:{STRAGGLER}:1.3@4", "clock_skew:0:200"], "agree-straggler")
     suspects = _suspect_ranks(f)
     assert suspects == [STRAGGLER]
     lo, hi = int(f.first_seen_step), int(f.last_seen_step)
@@ -57,19 +54,7 @@ def test_worst_ranks_are_the_straggler_findings_suspects(store):
 
 
 def test_slowest_link_is_the_slow_link_findings_suspect(store):
-    job = simulate(
-        store,
-        ranks=32,
-        steps=12,
-        pp=2,
-        tp=4,
-        ranks_per_node=4,
-        faults=[f"slow_link:{SLOW_NODE}:3@2"],
-        job_id="agree-link",
-    )
-    found = [f for f in analyze_job(store, job.job_id, 0) if f.kind == "slow_link"]
-    assert len(found) == 1, [f.title for f in found]
-    f = found[0]
+    job, f = _the_finding(store, "slow_link", [f"slow_link:{SLOW_NODE}:3@2"], "agree-link")
     nodes = sorted({s.node for s in f.suspects})
     assert nodes == [job.host(SLOW_NODE * 4)]
     lo, hi = int(f.first_seen_step), int(f.last_seen_step)
