@@ -7,12 +7,12 @@ import threading
 import time
 from pathlib import Path
 
-from ranklens.collector.agent import Agent, AgentConfig
+from ranklens.collector.agent import Agent
 from ranklens.collector.fake_nvml import fake_nvml
-from ranklens.collector.tailer import LogSource
 from ranklens.formats.spool import SpoolWriter
 from ranklens.store.testing import SlowStore
 from tests._sync import wait_until
+from tests.collector._agent import agent_config
 
 ROW = {"job_id": "j", "attempt": 0, "rank": 0, "pg": "0", "seq": 1, "op": "all_reduce", "enter_ns": 5}
 ERR = "RuntimeError: CUDA error: an illegal memory access was encountered"
@@ -27,16 +27,7 @@ def test_a_hung_store_does_not_stop_logs_or_gpu_sampling(tmp_path, embedded_stor
     SpoolWriter.for_rank(spool, "j", 0, 0).write("collectives", [ROW])
     release = threading.Event()
     store = SlowStore(embedded_store, until=release.is_set, timeout_s=60, ops={"write_many"})
-    config = AgentConfig(
-        spool_dir=str(spool),
-        logs=(LogSource(glob=str(tmp_path / "logs" / "*.log"), job_id="job-1"),),
-        host="node-a",
-        ship_interval_s=0.05,
-        log_poll_interval_s=0.02,
-        commit_interval_s=0.1,
-        nvml_interval_s=0.05,
-    )
-    agent = Agent(config, store=store, nvml=fake_nvml(1))
+    agent = Agent(agent_config(tmp_path, metrics_port=None), store=store, nvml=fake_nvml(1))
     agent.start()
     try:
         assert store.entered.wait(30)  # the first shipping pass is stuck in the store

@@ -15,33 +15,17 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ranklens.collector.agent import Agent, AgentConfig, load_config
+from ranklens.collector.agent import Agent, load_config
 from ranklens.collector.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeNvml, fake_nvml
-from ranklens.collector.tailer import LogSource
 from ranklens.errors import ConfigError, StoreError
 from ranklens.formats.spool import SpoolWriter
 from ranklens.store.testing import DownStore, SlowStore
 from tests._sync import wait_until
+from tests.collector._agent import agent_config
 
 ROOT = Path(__file__).resolve().parents[2]
 ERR = "RuntimeError: CUDA error: an illegal memory access was encountered"
 ROW = {"job_id": "j", "attempt": 0, "rank": 0, "pg": "0", "seq": 1, "op": "all_reduce", "enter_ns": 5}
-
-
-def _config(tmp_path: Path, **kw) -> AgentConfig:
-    base = dict(
-        spool_dir=str(tmp_path / "spool"),
-        logs=(LogSource(glob=str(tmp_path / "logs" / "*.log"), job_id="job-1"),),
-        host="node-a",
-        ship_interval_s=0.05,
-        log_poll_interval_s=0.02,
-        commit_interval_s=0.1,
-        nvml_interval_s=0.05,
-        metrics_port=0,
-        metrics_addr="127.0.0.1",
-    )
-    base.update(kw)
-    return AgentConfig(**base)
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -74,7 +58,7 @@ def test_agent_end_to_end_with_store_nvml_and_metrics(tmp_path, embedded_store):
     SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW, dict(ROW, seq=2)])
     _write_log(tmp_path, "rank-3.log", "step 1 loss 2.0", "step 2 loss 1.9", ERR, "step 3 loss 1.8")
     fake = fake_nvml(2)
-    agent = Agent(_config(tmp_path), store=embedded_store, nvml=fake)
+    agent = Agent(agent_config(tmp_path), store=embedded_store, nvml=fake)
     agent.start()
     try:
         port = agent.metrics_port
@@ -121,7 +105,7 @@ def test_store_down_then_back_every_row_once(tmp_path, embedded_store):
     parts = embedded_store.root / "parts" / "log_events"
     moved = tmp_path / "moved"
     shutil.move(parts, moved)  # the store's disk "fails" for log_events
-    agent = Agent(_config(tmp_path, nvml=False, metrics_port=None), store=embedded_store)
+    agent = Agent(agent_config(tmp_path, nvml=False, metrics_port=None), store=embedded_store)
     agent.start()
     try:
         for i in range(20):
@@ -164,7 +148,7 @@ def test_without_gpu_or_driver_everything_else_runs(tmp_path, embedded_store, ca
     fake = FakeNvml(init_error=NVML_ERROR_DRIVER_NOT_LOADED)
     with (
         caplog.at_level("WARNING", logger="ranklens.collector.nvml"),
-        Agent(_config(tmp_path), store=embedded_store, nvml=fake) as agent,
+        Agent(agent_config(tmp_path), store=embedded_store, nvml=fake) as agent,
     ):
         _wait(lambda: agent.metrics.rows_shipped.labels("log_events")._value.get() >= 1, "a shipped log event")
         assert _metric(_scrape(agent.metrics_port), "ranklens_collector_nvml_available") == 0
@@ -177,7 +161,7 @@ def test_stop_is_bounded_even_when_the_store_hangs(tmp_path, embedded_store):
     release = threading.Event()
     # a server that accepts the insert and then stalls (until released, at most 30 s)
     store = SlowStore(embedded_store, until=release.is_set, timeout_s=30, ops={"write_many"})
-    agent = Agent(_config(tmp_path, nvml=False, logs=()), store=store)
+    agent = Agent(agent_config(tmp_path, nvml=False, logs=()), store=store)
     agent.start()
     assert store.entered.wait(10)
     t0 = time.monotonic()
@@ -343,7 +327,7 @@ def test_shipping_loop_spans_when_asked(tmp_path, embedded_store):
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW, dict(ROW, seq=2)])
     agent = Agent(
-        _config(tmp_path, nvml=False, logs=(), metrics_port=None), store=embedded_store, otel_provider=provider
+        agent_config(tmp_path, nvml=False, logs=(), metrics_port=None), store=embedded_store, otel_provider=provider
     )
     agent.ship_once()
     spans = {s.name: s for s in exporter.get_finished_spans()}
@@ -351,7 +335,8 @@ def test_shipping_loop_spans_when_asked(tmp_path, embedded_store):
     write = spans["ranklens.store_write"]
     assert write.parent.span_id == spans["ranklens.ship_pass"].context.span_id
     assert write.attributes["ranklens.tables"] == ("collectives",) and write.attributes["ranklens.rows"] == 2
-    assert Agent(_config(tmp_path, nvml=False, logs=()), store=embedded_store).shipper.tracer is None  # off by default
+    off = Agent(agent_config(tmp_path, nvml=False, logs=()), store=embedded_store)
+    assert off.shipper.tracer is None  # off by default
 
 
 @pytest.mark.e2e
@@ -372,7 +357,7 @@ def test_per_rank_step_time_and_collective_wait_from_a_real_job(tmp_path, embedd
         for r in range(2)
     ]
     assert [p.wait(120) for p in procs] == [0, 0]
-    agent = Agent(_config(tmp_path, nvml=False, logs=()), store=embedded_store)
+    agent = Agent(agent_config(tmp_path, nvml=False, logs=()), store=embedded_store)
     agent.start()
     try:
         _wait(lambda: _metric(_scrape(agent.metrics_port), "ranklens_rank_steps_total", job_id="metrics-job",
@@ -411,7 +396,7 @@ def test_shipping_backs_off_while_the_store_is_down_and_logs_once(tmp_path, capl
     # every call (a write, or the look-up of a segment in doubt) refused and counted
     down = DownStore(error=lambda: StoreUnavailable("connection refused"))
     SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW])
-    agent = Agent(_config(tmp_path, nvml=False, logs=(), metrics_port=None, ship_interval_s=0.05), store=down)
+    agent = Agent(agent_config(tmp_path, nvml=False, logs=(), metrics_port=None, ship_interval_s=0.05), store=down)
     with caplog.at_level("WARNING", logger="ranklens.collector"):
         agent.start()
         time.sleep(3.0)  # the window the backoff is measured over, not a synchronisation
