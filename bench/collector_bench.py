@@ -10,13 +10,14 @@ import argparse
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from _common import job_env
 
 from ranklens.collector import Shipper
 from ranklens.collector.agent import Agent, load_config
@@ -91,12 +92,6 @@ def ship_rate(name: str, store, rows: int) -> None:
     )
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def agent_cost(store) -> None:
     spool = tempfile.mkdtemp(prefix="ranklens-agent-bench-")
     agent = Agent(load_config(None, spool_dir=spool, nvml=False, metrics_port=0), store=store)
@@ -106,15 +101,7 @@ def agent_cost(store) -> None:
     time.sleep(10)
     idle = (cpu_s() - c0) / (time.perf_counter() - t0)
     print(f"agent idle: {100 * idle:.2f}% of one core, RSS {rss_mb():,.0f} MiB")
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_port()),
-        "WORLD_SIZE": "8",
-        "RANKLENS_SPOOL": spool,
-        "RANKLENS_JOB_ID": f"agent-bench-{uuid.uuid4().hex[:6]}",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = job_env(8, spool, f"agent-bench-{uuid.uuid4().hex[:6]}")
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "ranklens.demo.worker", "--steps", "60", "--compute-ms", "40"],

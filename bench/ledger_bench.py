@@ -14,15 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import threading
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _common import free_port
 
 
 def _python_loop(until) -> int:
@@ -51,7 +46,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reads", type=int, default=10)
     args = ap.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     import torch
     import torch._C._distributed_c10d as c10d
     import torch.distributed as dist

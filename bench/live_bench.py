@@ -10,14 +10,14 @@ whose forward pass becomes 2x slower (straggler).
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import job_env, kill_all
 
 from ranklens.analyzers.job import analyze_job
 from ranklens.analyzers.live_hangs import HangConfig
@@ -27,28 +27,12 @@ from ranklens.store import open_store
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def hang_latency(mode: str, kind: str) -> float | None:
     tmp = Path(tempfile.mkdtemp(prefix="ranklens-live-"))
     job = f"live-{mode}"
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_port()),
-        "WORLD_SIZE": "4",
-        "RANKLENS_SPOOL": str(tmp / "spool"),
-        "RANKLENS_JOB_ID": job,
-        "OMP_NUM_THREADS": "1",
-        "HANG_MODE": mode,
-        "HANG_RANK": "2",
-        "HANG_STEP": "15",
-        "HANG_MARKER": str(tmp / "fault"),
-    }
+    env = job_env(
+        4, str(tmp / "spool"), job, HANG_MODE=mode, HANG_RANK="2", HANG_STEP="15", HANG_MARKER=str(tmp / "fault")
+    )
     logs = [open(tmp / f"r{r}.log", "w") for r in range(4)]
     procs = [
         subprocess.Popen(
@@ -75,24 +59,14 @@ def hang_latency(mode: str, kind: str) -> float | None:
             time.sleep(0.5)
         return None
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        kill_all(procs)
         for f in logs:
             f.close()
 
 
 def straggler_latency() -> float | None:
     tmp = Path(tempfile.mkdtemp(prefix="ranklens-live-"))
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_port()),
-        "WORLD_SIZE": "4",
-        "RANKLENS_SPOOL": str(tmp / "spool"),
-        "RANKLENS_JOB_ID": "live-straggler",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = job_env(4, str(tmp / "spool"), "live-straggler")
     args = ["--steps", "120", "--slow-rank", "1", "--slowdown", "2", "--slow-from-step", "30", "--report-steps"]
     procs = [
         subprocess.Popen(
@@ -120,9 +94,7 @@ def straggler_latency() -> float | None:
             time.sleep(0.5)
         return None
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        kill_all(procs)
 
 
 def main() -> int:

@@ -12,25 +12,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _common import free_port, job_env
 
 
 def micro(calls: int) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
     t = torch.ones(16)
 
@@ -111,15 +106,7 @@ def job(steps: int, repeats: int) -> None:
     for _ in range(repeats):
         for mode in results:
             spool = tempfile.mkdtemp(prefix="ranklens-bench-spool-")
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(_free_port()),
-                "WORLD_SIZE": "4",
-                "RANKLENS_SPOOL": spool,
-                "RANKLENS_JOB_ID": f"bench-{mode}",
-                "OMP_NUM_THREADS": "1",
-            }
+            env = job_env(4, spool, f"bench-{mode}")
             if mode == "off":
                 env["RANKLENS_DISABLE"] = "1"
             if mode == "on-no-ddp-hook":
