@@ -5,7 +5,6 @@ bench/zero_code_accuracy.py."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests._jobs import analyze_report, ranklens_run
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "zero_code_job.py"
@@ -79,20 +80,10 @@ def run_case(case: Case, workdir: Path, *, loaded: bool = False, timeout_s: floa
     env.pop("RANKLENS_STORE", None)
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(RANKS), str(JOB)]
     with cpu_hogs(2 if loaded else 0):
-        run = subprocess.run(
-            [sys.executable, "-m", "ranklens.cli", "run", "--store", store, "--spool", str(workdir / "spool"),
-             "--job-id", job, "--", *cmd],
-            capture_output=True, text=True, timeout=timeout_s, env=env, cwd=workdir,
-        )  # fmt: skip
+        run = ranklens_run(store, workdir / "spool", cmd, job_id=job, timeout=timeout_s, env=env, cwd=workdir)
     if run.returncode != 0:
         raise RuntimeError(f"ranklens run failed ({run.returncode}): {run.stderr[-3000:]}")
-    out = subprocess.run(
-        [sys.executable, "-m", "ranklens.cli", "analyze", "--store", store, "--job", job, "--json", "--no-save"],
-        capture_output=True, text=True, timeout=120, env=env, cwd=workdir,
-    )  # fmt: skip
-    if out.returncode != 0:
-        raise RuntimeError(f"ranklens analyze failed ({out.returncode}): {out.stderr[-3000:]}")
-    report = json.loads(out.stdout)
+    report = analyze_report(store, job, timeout=120, env=env, cwd=workdir)
     stragglers = [f for f in report["findings"] if f["kind"] == "straggler"]
     return Outcome(case, loaded, report, stragglers)
 

@@ -454,6 +454,7 @@ def test_unmodified_ddp_job_gets_inferred_steps_and_its_slow_rank_named(tmp_path
     assert [s for s, ms in slow.rows() if ms >= 100] == list(range(8, steps_n))
 
     out = ranklens("analyze", "--store", f"embedded://{tmp_path}/store", "--job", "auto", "--json", timeout=180)
+    assert out.stdout.lstrip().startswith("{"), (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
     report = json.loads(out.stdout)
     assert report["step_source"] == "inferred"
     named = {s["rank"] for f in report["findings"] if f["kind"] == "straggler" for s in f["suspects"]}
