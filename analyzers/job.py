@@ -57,6 +57,8 @@ class Update:
     new: list[Finding] = field(default_factory=list)
     changed: list[Finding] = field(default_factory=list)
     resolved: list[Finding] = field(default_factory=list)
+    # host CPU contention first seen this pass: a finding it explains was left out (not an event)
+    notes: list[Contention] = field(default_factory=list)
 
     def all(self) -> list[Finding]:
         return self.new + self.changed + self.resolved

@@ -238,9 +238,9 @@ def _print_findings(findings: list[Any], coverage: Any = None) -> None:
 @click.option(
     "--follow",
     is_flag=True,
-    help="Keep analyzing the (live) job; print findings as they open, change "
-    "and resolve (JSON Lines with --json). Started before the job has written anything, it waits "
-    "for it. Stop with Ctrl-C.",
+    help="Keep analyzing the (live) job; print findings as they open, change and resolve, and each "
+    "host CPU contention note once (JSON Lines with --json). Started before the job has written "
+    "anything, it waits for it. Stop with Ctrl-C.",
 )
 @click.option(
     "--interval",
@@ -462,8 +462,14 @@ def _follow(
             stamp = time.strftime("%H:%M:%S")
             click.echo(f"{stamp} {event:8s} [{f.severity.value.upper()}] {f.kind}: {f.title}")
 
+    def note(c: Any) -> None:  # a straggler / slow link the host's CPU contention explains: not a finding
+        if as_json:
+            click.echo(json.dumps({"event": "note", "host_cpu_contention": c.to_json()}, default=_json_default))
+        else:
+            click.echo(f"{time.strftime('%H:%M:%S')} note     {c.line()}")
+
     try:
-        live.run(emit, interval=interval)
+        live.run(emit, interval=interval, note=note)
     except KeyboardInterrupt:
         return
 

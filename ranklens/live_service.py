@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ranklens.analyzers.contention import Contention
 from ranklens.analyzers.findings import Finding, finding_from_row, latest_columns, save_findings, strip_latest
 from ranklens.analyzers.job import FindingTracker, Update, analyze_job
 from ranklens.errors import SchemaVersionError, StoreUnavailable
@@ -187,11 +188,19 @@ class LiveAnalysis:
         self.window_steps = window_steps
         self._analyze = analyze
         self.tracker = FindingTracker()
+        self._noted: set[tuple[str, str, tuple[int, ...]]] = set()
 
     def run_pass(self) -> Update:
-        """One pass; returns its events."""
-        current = self._analyze(self.store, self.job_id, self.attempt, window_steps=self.window_steps)
+        """One pass; returns its events, and the host CPU contention notes not seen before (a
+        straggler or slow link the host's oversubscription explains, said once per node and ranks)."""
+        notes: list[Contention] = []
+        current = self._analyze(self.store, self.job_id, self.attempt, window_steps=self.window_steps, contention=notes)
         update = self.tracker.update(current)
+        for c in notes:
+            key = (c.kind, c.node, c.ranks)
+            if key not in self._noted:
+                self._noted.add(key)
+                update.notes.append(c)
         changed = update.all()
         if self.save and changed:
             save_findings(self.store, changed)
@@ -207,12 +216,17 @@ class LiveAnalysis:
         *,
         interval: float,
         sleep: Callable[[float], None] = time.sleep,
+        note: Callable[[Contention], None] | None = None,
     ) -> None:
         """Pass after pass every ``interval`` seconds, calling ``emit(event, finding)`` for each
-        event, until interrupted (KeyboardInterrupt propagates)."""
+        event and ``note(contention)`` for each new host CPU contention note, until interrupted
+        (KeyboardInterrupt propagates)."""
         while True:
             update = self.run_pass()
             for event, items in (("new", update.new), ("changed", update.changed), ("resolved", update.resolved)):
                 for f in items:
                     emit(event, f)
+            if note is not None:
+                for c in update.notes:
+                    note(c)
             sleep(interval)

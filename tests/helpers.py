@@ -61,3 +61,19 @@ def synthetic_job(
         for r in range(ranks):
             rows["steps"].append({"job_id": job_id, "rank": r, "step": s, "start_ns": step_start, "end_ns": t})
     return rows
+
+
+def cpu_rows(job: str, delay_rate: dict[int, float], cpu_rate: float = 0.3, seconds: int = 10) -> list[dict]:
+    """Cumulative samples every 0.5 s: rank r waits ``delay_rate[r]`` s/s for a CPU."""
+    rows = []
+    for r, rate in delay_rate.items():
+        for k in range(2 * seconds + 1):
+            t = k * 500_000_000
+            rows.append(
+                {
+                    "job_id": job, "rank": r, "host": f"node{r // 2}", "ts_ns": T0 + t,
+                    "cpu_ns": int(cpu_rate * t), "run_delay_ns": int(rate * t),
+                    "proc_cpu_ns": int(cpu_rate * t), "proc_run_delay_ns": int(rate * t),
+                }
+            )  # fmt: skip
+    return rows

@@ -20,6 +20,7 @@ import pytest
 from ranklens.analyzers.contention import CpuWindow, explains
 from ranklens.tracing._cpu import CpuSampler, make_sampler, read_schedstat
 from tests._jobs import analyze_report, ranklens_run
+from tests.helpers import cpu_rows
 from tests.zero_code_helpers import TORCHRUN, cpu_hogs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,22 +208,6 @@ def test_a_rank_slowed_in_forward_is_still_named_under_cpu_hogs(tmp_path):
 T0 = 1_790_000_000_000_000_000
 
 
-def _cpu_rows(job: str, delay_rate: dict[int, float], cpu_rate: float = 0.3, seconds: int = 10) -> list[dict]:
-    """Cumulative samples every 0.5 s: rank r waits ``delay_rate[r]`` s/s for a CPU."""
-    rows = []
-    for r, rate in delay_rate.items():
-        for k in range(2 * seconds + 1):
-            t = k * 500_000_000
-            rows.append(
-                {
-                    "job_id": job, "rank": r, "host": f"node{r // 2}", "ts_ns": T0 + t,
-                    "cpu_ns": int(cpu_rate * t), "run_delay_ns": int(rate * t),
-                    "proc_cpu_ns": int(cpu_rate * t), "proc_run_delay_ns": int(rate * t),
-                }
-            )  # fmt: skip
-    return rows
-
-
 def _finding(kind: str, ranks: list[int], **evidence):
     from ranklens.analyzers.findings import Finding, Severity, Suspect
 
@@ -238,7 +223,7 @@ def test_cpu_metric_and_discounts_on_both_backends(store):
     from ranklens.analyzers.contention import cpu_window, discount_links
     from ranklens.analyzers.straggler import discount_cpu_contention
 
-    store.write("cpu", _cpu_rows("j", {0: 0.05, 1: 0.05, 2: 0.06, 3: 0.65}))
+    store.write("cpu", cpu_rows("j", {0: 0.05, 1: 0.05, 2: 0.06, 3: 0.65}))
     cw = cpu_window(store, "j", 0, T0 + 2_000_000_000, T0 + 8_000_000_000)
     assert cw.ranks.tolist() == [0, 1, 2, 3] and cw.hosts[3] == "node1"
     assert cw.delay_rate.tolist() == pytest.approx([0.05, 0.05, 0.06, 0.65], abs=1e-6)

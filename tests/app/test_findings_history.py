@@ -18,15 +18,16 @@ from click.testing import CliRunner
 
 from ranklens.cli import cli
 from tests._sync import wait_for_file, wait_until
-from tests.helpers import synthetic_job
+from tests.helpers import cpu_rows, synthetic_job
 
 SCRIPT = Path(__file__).parent.parent.joinpath("hang_job.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _follow(store_url: str, *args: str) -> subprocess.Popen:
+def _follow(store_url: str, *args: str, as_json: bool = True) -> subprocess.Popen:
+    fmt = ["--json"] if as_json else []
     return subprocess.Popen(
-        [sys.executable, "-m", "ranklens.cli", "analyze", "--store", store_url, "--follow", "--json", *args],
+        [sys.executable, "-m", "ranklens.cli", "analyze", "--store", store_url, "--follow", *fmt, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -220,3 +221,56 @@ def test_follow_waits_for_a_server_database_not_created_yet(server_store):
             created.drop_database()
             created.close()
     assert [s["rank"] for s in json.loads(out[0])["finding"]["suspects"]] == [1]
+
+
+# ------------------------------------------------- host CPU contention notes in the live loop
+
+
+def _starved_job(url: str) -> None:
+    """A job whose rank 3 is 60 ms/step behind because its threads waited for a CPU (node1's run
+    queue): the analysis leaves the straggler out and says why in a note."""
+    from ranklens.store import open_store
+
+    rows = synthetic_job(job_id="j", slow_rank=3, extra_s=0.06, step_s=0.1)
+    open_store(url, create=True).write_many({**rows, "cpu": cpu_rows("j", {0: 0.05, 1: 0.05, 2: 0.06, 3: 0.65})})
+
+
+def test_live_passes_note_host_cpu_contention_once(tmp_path):
+    from ranklens.live_service import LiveAnalysis
+    from ranklens.store import open_store
+
+    url = f"embedded://{tmp_path}/store"
+    _starved_job(url)
+    live = LiveAnalysis(open_store(url), "j", 0, save=False)
+    first, second = live.run_pass(), live.run_pass()
+    assert first.all() == [] and second.all() == []  # rank 3 is not a straggler
+    ((n,),) = [first.notes]
+    assert (n.kind, n.node, n.ranks) == ("straggler", "node1", (3,))
+    assert second.notes == []  # the same contention is said once, not every pass
+
+
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "text"])
+def test_follow_prints_the_host_cpu_contention_note(tmp_path, as_json):
+    url = f"embedded://{tmp_path}/store"
+    _starved_job(url)
+    args = ["--job", "j", "--interval", "0.2", "--no-save"]
+    proc = _follow(url, *args, as_json=as_json)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [_lines(proc.stdout, out), _lines(proc.stderr, err)]
+    try:
+        _until(lambda: any("host CPU contention" in line or "host_cpu_contention" in line for line in out), 60,
+               "the contention note", proc)  # fmt: skip
+    finally:
+        _stop(proc, readers)
+    assert proc.returncode == 0, err
+    if as_json:
+        events = [json.loads(line) for line in out]
+        assert [e["event"] for e in events] == ["note"], events
+        note = events[0]["host_cpu_contention"]
+        assert (note["kind"], note["node"], note["ranks"]) == ("straggler", "node1", [3])
+        assert note["run_delay_ms_per_step"] > note["excess_ms_per_step"] / 2
+    else:
+        (line,) = [x for x in out if x.strip()]
+        assert " note " in line and "host CPU contention on node1: rank 3 waited" in line, line
+        assert "not a straggler" in line and "straggler:" not in "".join(out), out
