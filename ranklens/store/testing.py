@@ -24,12 +24,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ranklens.errors import StoreUnavailable
-from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, Store, check_batch_rows
+from ranklens.store.api import (
+    DEFAULT_BATCH_ROWS,
+    QueryResult,
+    Store,
+    SupportsCompact,
+    SupportsDiscardIngest,
+    check_batch_rows,
+)
 
 __all__ = ["Call", "DownStore", "FlakyStore", "RecordingStore", "SlowStore", "StoreWrapper"]
 
-# what the wrappers pass on besides the Store protocol: the optional capabilities of store.api
-_CAPABILITIES = frozenset({"discard_ingest", "compact"})
+
+class _PassDiscardIngest:
+    """:class:`~ranklens.store.api.SupportsDiscardIngest`, passed to ``inner`` through ``_call``."""
+
+    def discard_ingest(self: Any, table: str, ingest_ids: Iterable[int], *args: Any, **kwargs: Any) -> int:
+        return int(self._call("discard_ingest", self.inner.discard_ingest, (table, ingest_ids, *args), kwargs))
+
+
+class _PassCompact:
+    """:class:`~ranklens.store.api.SupportsCompact`, passed to ``inner`` through ``_call``."""
+
+    def compact(self: Any, *args: Any, **kwargs: Any) -> dict[str, int]:  # the store's own options too
+        return dict(self._call("compact", self.inner.compact, args, kwargs))
+
+
+# the optional capabilities of store.api a wrapper passes on when its inner store offers them
+_CAPABILITIES: tuple[tuple[type, type], ...] = (
+    (SupportsDiscardIngest, _PassDiscardIngest),
+    (SupportsCompact, _PassCompact),
+)
+_with_capabilities: dict[tuple[type, tuple[type, ...]], type] = {}
 
 
 @dataclass(frozen=True)
@@ -113,7 +139,19 @@ class DownStore:
 
 class StoreWrapper:
     """A store that passes every call to ``inner`` through :meth:`_call` (override it to add a
-    fault, a delay or a record). Optional capabilities are offered when ``inner`` offers them."""
+    fault, a delay or a record). Optional capabilities are offered when ``inner`` offers them: the
+    instance is of a subclass that defines their methods (so ``isinstance`` against the
+    runtime-checkable protocols, which looks the methods up statically on Python 3.12+, sees them)."""
+
+    def __new__(cls, inner: Store, *args: Any, **kwargs: Any) -> StoreWrapper:
+        mixins = tuple(m for proto, m in _CAPABILITIES if isinstance(inner, proto))
+        if not mixins:
+            return super().__new__(cls)
+        sub = _with_capabilities.get((cls, mixins))
+        if sub is None:
+            sub = type(cls.__name__, (cls, *mixins), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            _with_capabilities[(cls, mixins)] = sub
+        return super().__new__(sub)
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
@@ -143,13 +181,10 @@ class StoreWrapper:
     def close(self) -> None:
         self.inner.close()
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":  # not set yet (copy, unpickle): no recursion
-            raise AttributeError(name)
-        value = getattr(self.inner, name)  # AttributeError when inner has no such capability
-        if name in _CAPABILITIES and callable(value):
-            return lambda *args, **kwargs: self._call(name, value, args, kwargs)
-        return value
+    def __getattr__(self, name: str) -> Any:  # anything else of the store inside (its root, ...)
+        if name == "inner" or any(hasattr(m, name) for _, m in _CAPABILITIES):
+            raise AttributeError(name)  # inner not set yet (copy, unpickle), or a capability it lacks
+        return getattr(self.inner, name)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"

@@ -53,6 +53,31 @@ def test_wrappers_offer_a_capability_exactly_when_the_store_inside_does(embedded
         assert not isinstance(wrapper, SupportsDiscardIngest)
 
 
+def test_wrapper_capabilities_are_methods_not_attribute_lookups(embedded_store):
+    """Python 3.12+'s isinstance against a runtime-checkable protocol looks the methods up with
+    ``inspect.getattr_static``, which does not see ``__getattr__``: the methods must be defined."""
+    import inspect
+
+    for wrapper in (FlakyStore(embedded_store, failures=0), SlowStore(embedded_store), RecordingStore(embedded_store)):
+        for name in ("compact", "discard_ingest", "write", "query", "iter_query"):
+            assert callable(inspect.getattr_static(wrapper, name)), (wrapper, name)
+        assert type(wrapper).__name__ in repr(wrapper) and isinstance(wrapper, type(wrapper).__mro__[1])
+    for wrapper in (FlakyStore(DownStore()), RecordingStore(DownStore())):
+        for name in ("compact", "discard_ingest"):
+            with pytest.raises(AttributeError):
+                inspect.getattr_static(wrapper, name)
+            assert not hasattr(wrapper, name)
+    # the capability goes through the wrapper: recorded, and a fault applies to it
+    rec = RecordingStore(embedded_store)
+    rec.write("collectives", _rows(3, ingest_id=5))
+    assert rec.discard_ingest("collectives", [5]) == 3 and rec.ops()[-1] == "discard_ingest"
+    assert isinstance(rec.compact(), dict) and rec.ops()[-1] == "compact"
+    flaky = FlakyStore(embedded_store, failures=1, ops={"compact"})
+    with pytest.raises(StoreUnavailable):
+        flaky.compact()
+    assert isinstance(flaky.compact(), dict)
+
+
 def test_discard_ingest_returns_the_rows_removed(store):
     store.write_many({"collectives": to_arrow("collectives", _rows(3, ingest_id=11) + _rows(2, ingest_id=12))})
     assert store.discard_ingest("collectives", []) == 0
