@@ -20,6 +20,8 @@ import time
 
 from _common import free_port, job_env
 
+WARMUP_STEPS = 5  # the first steps of each run are left out of its median
+
 
 def micro(calls: int) -> None:
     import torch
@@ -131,7 +133,7 @@ def job(steps: int, repeats: int) -> None:
             ]
             outs = [p.communicate()[0] for p in procs]
             times = [float(x.split()[1]) for x in outs[0].splitlines() if x.startswith("steptime ")]
-            results[mode].append(statistics.median(times[5:]))  # skip warm-up steps
+            results[mode].append(statistics.median(times[WARMUP_STEPS:]))
     off = statistics.median(results["off"])
     for mode in ("on", "on-no-ddp-hook"):
         on = statistics.median(results[mode])
@@ -145,10 +147,12 @@ def job(steps: int, repeats: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20000)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=40, help=f"steps per run (more than the {WARMUP_STEPS} warm-up steps)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--micro-only", action="store_true")
     args = ap.parse_args()
+    if args.steps <= WARMUP_STEPS or args.repeats < 1:
+        ap.error(f"--steps must be more than {WARMUP_STEPS} (the warm-up steps left out) and --repeats at least 1")
     if os.environ.get("_RANKLENS_BENCH_MICRO") == "1":
         micro(args.calls)
         return 0
