@@ -110,7 +110,7 @@ class PersistentBlameDetector:
                 & (share >= self.min_share)
                 & (delay[i] >= self.dominance * total)
             )
-            seg = _persistent_run(hot, self.persistence, self.min_hot_steps, delay[i])
+            seg = _persistent_run(hot, self.persistence, self.min_hot_steps, delay[i], step_time)
             if seg is None:
                 continue
             start, end, n_hot = seg
@@ -129,16 +129,26 @@ class PersistentBlameDetector:
 LEVEL_TRIM = 0.5  # hot steps at the ends of a run below this share of the run's median level are left out
 RESOLVED_AFTER_STEPS = 5  # a run that ended this many steps before the last one is over (resolved)...
 MIN_RESOLVED_HOT = 8  # ...and is a straggler only when it lasted at least this many hot steps
+# A run of fewer than MIN_RESOLVED_HOT hot steps must also last this long (wall clock) to be
+# persistent: host noise (a scheduler hiccup, a GC pause) lasts a fraction of a second however many
+# steps it spans, and step-free jobs count iterations of a few tens of ms (5 of them: 0.15 s).
+MIN_SHORT_RUN_S = 0.5
 
 
 def _persistent_run(
-    hot: np.ndarray, persistence: float, min_hot: int, level: np.ndarray | None = None
+    hot: np.ndarray,
+    persistence: float,
+    min_hot: int,
+    level: np.ndarray | None = None,
+    step_s: np.ndarray | None = None,
 ) -> tuple[int, int, int] | None:
     """The densest run of hot steps (start, end, hot steps in it) when it holds at least ``min_hot``.
 
     With ``level`` (the per-step size of what is measured: the delay, the excess), hot steps at
     either end of the run that are well below the run's median level are trimmed off: a 10 ms
-    blip just before a 200 ms slowdown is noise, and the onset is where the level changed."""
+    blip just before a 200 ms slowdown is noise, and the onset is where the level changed. With
+    ``step_s`` (each step's duration), a run of fewer than ``MIN_RESOLVED_HOT`` hot steps that lasted
+    under ``MIN_SHORT_RUN_S`` is a transient (negative count), not a straggler."""
     if hot.sum() < min_hot:
         return None
     seg = _densest_segment(hot, persistence)
@@ -168,6 +178,12 @@ def _persistent_run(
             # it started and stopped within a few steps: a transient (a rank starved of CPU by a busy
             # host for half a second, a GC pause), not a straggler; a live pass saw it while it lasted
             return a, b, -n_hot
+    if step_s is not None and n_hot < MIN_RESOLVED_HOT:
+        d = np.asarray(step_s, dtype=np.float64)[a : b + 1]
+        known = d[np.isfinite(d) & (d > 0)]
+        # steps of unknown duration count at the known ones' mean; none known: no judgement
+        if len(known) and float(known.mean()) * len(d) < MIN_SHORT_RUN_S:
+            return a, b, -n_hot  # a sub-second blip over a few short steps: a transient
     return a, b, n_hot
 
 
@@ -326,7 +342,7 @@ class PeerComputeDetector:
             threshold = np.maximum(np.maximum(floor, spread), self.pooled_z * np.nan_to_num(pooled))
             hot_all = np.nan_to_num(excess, nan=-1.0) >= threshold
             for k, i in enumerate(idx):
-                seg = _persistent_run(hot_all[k], self.persistence, self.min_hot_steps, excess[k])
+                seg = _persistent_run(hot_all[k], self.persistence, self.min_hot_steps, excess[k], cm.step_s[i])
                 if seg is None:
                     continue
                 a, b, n_hot = seg

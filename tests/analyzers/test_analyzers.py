@@ -222,3 +222,33 @@ def test_find_stragglers_reads_the_matrix_the_detector_names(embedded_store):
 
     with pytest.raises(ValueError, match="metric=None; allowed: 'blame'"):
         find_stragglers(embedded_store, "job-synth", detector=NoMetric())
+
+
+def _blip_matrix(step_s: float, n: int = 17, hot: range = range(8, 13), delay_s: float = 0.013):
+    """Blame of a 4-rank job: rank 3 kept the others waiting ``delay_s`` in the steps of ``hot``
+    (alone, every one of them), nobody in the others; every step lasts ``step_s``."""
+    from ranklens.analyzers.blame import BlameMatrix
+
+    delay = np.zeros((4, n))
+    delay[3, list(hot)] = delay_s
+    return BlameMatrix(
+        job_id="j", attempt=0, ranks=np.arange(4), steps=np.arange(n), delay_s=delay, wait_s=3 * delay,
+        last_count=np.zeros((4, n)), step_time_s=np.full(n, step_s), step_start_ns=np.zeros(n, dtype=np.int64),
+        hosts={r: "vm" for r in range(4)}, sql="", step_basis="iterations",
+    )  # fmt: skip
+
+
+def test_a_sub_second_blip_over_short_iterations_is_not_a_straggler():
+    """Seen in a loaded suite run: a healthy step-free job (iterations of 33 ms) whose rank 3 was
+    last for 5 iterations (0.17 s: the host's scheduler), then never again, was named a critical
+    straggler. Five hot steps of 33 ms are a blip; five of 0.2 s (1 s), or eight short ones, persist."""
+    det = PersistentBlameDetector()
+    assert det.detect(_blip_matrix(0.033)) == []
+    (d,) = det.detect(_blip_matrix(0.2))
+    assert (d.rank, d.onset_index, d.hot_steps) == (3, 8, 5)
+    # eight hot steps or more: persistent, short iterations or not (and, going on to the end, open)
+    (d,) = det.detect(_blip_matrix(0.033, hot=range(8, 17)))
+    assert (d.rank, d.onset_index, d.last_index, d.hot_steps) == (3, 8, 16, 9)
+    # a short run that is still going on waits until it has lasted half a second
+    assert det.detect(_blip_matrix(0.033, hot=range(12, 17))) == []
+    assert [d.rank for d in det.detect(_blip_matrix(0.11, hot=range(12, 17)))] == [3]
