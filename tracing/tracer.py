@@ -2,6 +2,11 @@
 
 Rules (DESIGN.md §1): never raise into user code, never block on I/O on the caller's thread,
 bounded buffers (drop and count), survives fork (children are not traced), one env var turns it off.
+
+Heartbeats have a lane of their own (issue 18): the live hang detector reads a late heartbeat as a
+rank that stopped answering, so they are written by their own job thread and spool writer, and a
+data flush stuck on a slow or full disk (a big segment behind dirty-page throttling) never holds
+them back.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ __all__ = ["Tracer"]
 log = logging.getLogger("ranklens.tracing")
 
 FR_SIGNAL_KEY = "ranklens/fr_dump_signal"
+HEARTBEAT_LANE = "heartbeat"  # the worker lane (thread <worker>-heartbeat) that writes heartbeats only
 TABLES = ("collectives", "steps", "phases", "process_groups", "ranks", "heartbeats", "cpu", "drops")
 
 
@@ -37,7 +43,8 @@ class Tracer:
     Args:
         job_id, attempt, rank, world_size: identity of this rank.
         spool_dir: root of the local spool (the collector reads it).
-        flush_interval_s: how often the background thread writes segments.
+        flush_interval_s: how often the background thread writes segments, and how often a
+            heartbeat is written (on its own lane: a stuck data write does not delay it).
         max_buffered: rows held in memory at most; beyond it rows are dropped and counted.
         clock: returns epoch nanoseconds (injectable for tests).
         worker: the background worker that runs the flush, the completion watcher, the ring reader
@@ -72,10 +79,13 @@ class Tracer:
         self.enabled = True
         self._ident = {"job_id": job_id, "attempt": attempt, "rank": rank}
         self._writer = SpoolWriter.for_rank(spool_dir, job_id, attempt, rank)
+        # the heartbeat lane's own writer: nothing it does waits on the data writer's segments
+        self._hb_writer = SpoolWriter.for_rank(spool_dir, job_id, attempt, rank)
         # a failure that repeats every flush: one warning, then a count at most once a minute
         # (issue 22, defect 8: a traceback per flush buried the job's own stderr)
         self._spool_failures = FailureLog(log, f"ranklens: rank {rank} cannot write the spool under {spool_dir}")
         self._flush_failures = FailureLog(log, f"ranklens: rank {rank}: a spool flush failed")
+        self._hb_failures = FailureLog(log, f"ranklens: rank {rank} cannot write heartbeats under {spool_dir}")
         self._fr_failures = FailureLog(log, f"ranklens: rank {rank}: a flight-recorder dump failed")
         self._buf: list[tuple[str, dict[str, Any]]] = []
         self._buf_lock = threading.Lock()
@@ -108,6 +118,7 @@ class Tracer:
         self._fr_signal_polled = 0
         self._stop = threading.Event()
         self._flush_lock = threading.Lock()
+        self._beat_lock = threading.Lock()
         self._pid = os.getpid()
         self._rank_row: dict[str, Any] = {
             **self._ident,
@@ -129,12 +140,17 @@ class Tracer:
         self._step_phases: list[tuple[str, int, int]] = []
         self._pending: list[tuple[Any, dict[str, Any]]] = []
         self._pending_lock = threading.Lock()
-        # ONE background worker (ranklens/_worker.py) for the flush, the 1 ms completion watcher,
-        # the ring reader and the CUDA timer. The flush is a blocking task (a queued job): a slow
-        # disk delays the next flush, never the watcher's cadence.
+        # ONE background worker (ranklens/_worker.py) for the flush, the heartbeat, the 1 ms
+        # completion watcher, the ring reader and the CUDA timer. The flush and the heartbeat are
+        # blocking tasks (queued jobs) on two lanes: a slow disk delays the next flush, never the
+        # watcher's cadence nor the next heartbeat.
         self._owns_worker = worker is None
         self.worker = worker if worker is not None else Worker("ranklens-trace", max_queue=64)
-        self._flush_task = self.worker.every(max(flush_interval_s, 0.001), self._run, name="flush", blocking=True)
+        period = max(flush_interval_s, 0.001)
+        self._flush_task = self.worker.every(period, self._run, name="flush", blocking=True)
+        self._beat_task = self.worker.every(
+            period, self._run_beat, name="heartbeat", blocking=True, lane=HEARTBEAT_LANE
+        )
         self._watch_task: Task | None = None
         _TRACERS.add(self)
 
@@ -155,7 +171,8 @@ class Tracer:
         return buf
 
     def flush(self) -> None:
-        """Write everything buffered to the spool now (called by the background thread)."""
+        """Write everything buffered to the spool now (called by the background thread). Heartbeats
+        are not among it: :meth:`beat` writes them, on a lane of their own."""
         with self._flush_lock:
             if os.getpid() != self._pid:
                 return
@@ -163,7 +180,6 @@ class Tracer:
                 self.ledger.poll(self.clock(), force=self._stop.is_set())
             rows = self._take()
             now = self.clock()
-            rows.append(("heartbeats", self._heartbeat(now)))
             if self._cpu is not None and (cpu := self._cpu.sample(now)) is not None:
                 rows.append(("cpu", cpu))
             self._maybe_dump_fr(now)
@@ -174,10 +190,14 @@ class Tracer:
                 ("worker:jobs_dropped", ws.jobs_dropped),
                 ("worker:task_errors", ws.task_errors),
                 ("worker:flush_overruns", ws.overruns_by_name.get("flush", 0)),
+                ("worker:heartbeat_overruns", ws.overruns_by_name.get("heartbeat", 0)),
             ):
                 if n:
                     self._drops[what] = n
-            for what, n in (self._drops - self._drops_reported).items():
+            # a snapshot (one C-level copy): other threads (the heartbeat lane, the watcher) count
+            # drops meanwhile, and iterating the live Counter could fail or miss them
+            counted = Counter(self._drops)
+            for what, n in (counted - self._drops_reported).items():
                 rows.append(
                     (
                         "drops",
@@ -192,7 +212,7 @@ class Tracer:
                         },
                     )
                 )
-            self._drops_reported = Counter(self._drops)
+            self._drops_reported = counted
             by_table: dict[str, list[dict[str, Any]]] = {}
             for table, row in rows:
                 by_table.setdefault(table, []).append(row)
@@ -304,11 +324,34 @@ class Tracer:
             "exited": int(self._stop.is_set()),
         }
 
+    def beat(self) -> None:
+        """Write one heartbeat now, with its own writer (called by the heartbeat lane's thread).
+        A failed write is counted (``heartbeats:spool_write_failed``, reported by the next flush)
+        and logged at a bounded rate; the next beat says where the rank is then, so nothing is
+        retried."""
+        with self._beat_lock:
+            if os.getpid() != self._pid:
+                return
+            try:
+                self._hb_writer.write("heartbeats", [self._heartbeat(self.clock())])
+            except OSError as e:
+                self._drops["heartbeats:spool_write_failed"] += 1
+                self._hb_failures.failed(e, 1)
+            else:
+                self._hb_failures.ok()
+
     def _run(self) -> None:
         """One periodic flush (a job on the worker's job thread)."""
         try:
             self.flush()
         except Exception as e:  # never let the flusher fail silently (nor flood: see FailureLog)
+            self._flush_failures.failed(e, traceback=True)
+
+    def _run_beat(self) -> None:
+        """One periodic heartbeat (a job on the heartbeat lane's thread)."""
+        try:
+            self.beat()
+        except Exception as e:
             self._flush_failures.failed(e, traceback=True)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -326,6 +369,7 @@ class Tracer:
             except Exception:
                 log.exception("ranklens: closing the profiler failed")
         self._flush_task.cancel()
+        self._beat_task.cancel()
         if self._watch_task is not None:
             self._watch_task.cancel()
         if self.ledger is not None:
@@ -338,10 +382,22 @@ class Tracer:
                 self.add("collectives", _row)
             self._run()
 
-        # the final flush runs on the worker's job thread, after a flush in progress: bounded by
-        # timeout_s even when the disk is stuck (the worker logs what did not finish)
+        # The last heartbeat (``exited``: tracing shut down cleanly, the rank did not die) goes on
+        # the heartbeat lane, so a data flush stuck on the disk does not keep it back; the final
+        # flush runs on the job thread, after a flush in progress. Both are bounded by timeout_s
+        # even when the disk is stuck (the worker logs what did not finish).
+        beat_done = threading.Event()
+
+        def last_beat() -> None:
+            try:
+                self._run_beat()
+            finally:
+                beat_done.set()
+
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        queued_beat = self.worker.submit(last_beat, name="tracer-last-heartbeat", lane=HEARTBEAT_LANE)
         if self._owns_worker:
-            self.worker.close(timeout_s, final=final)
+            self.worker.close(timeout_s, final=final)  # drains the heartbeat lane, then runs final
         else:
             done = threading.Event()
 
@@ -351,7 +407,9 @@ class Tracer:
 
             if self.worker.submit(final_then_done, name="tracer-final-flush"):
                 done.wait(timeout_s)
-        for failures in (self._spool_failures, self._flush_failures, self._fr_failures):
+            if queued_beat:
+                beat_done.wait(max(0.0, deadline - time.monotonic()))
+        for failures in (self._spool_failures, self._hb_failures, self._flush_failures, self._fr_failures):
             failures.close()  # what the rate limit held back
         self.enabled = False
 
@@ -363,6 +421,7 @@ class Tracer:
         self._buf = []
         self._buf_lock = threading.Lock()
         self._flush_lock = threading.Lock()
+        self._beat_lock = threading.Lock()
         self._pending = []
         self._pending_lock = threading.Lock()
 

@@ -577,3 +577,46 @@ def test_worker_overruns_reach_the_drops_table(tmp_path):
     t.shutdown(timeout_s=10)
     rows = [r for r in _segments(tmp_path, "drops") if r["what"] == "worker:flush_overruns"]
     assert rows and sum(r["count"] for r in rows) >= 3
+
+
+def test_heartbeats_keep_flowing_while_a_data_write_is_stuck(tmp_path):
+    """Issue 18: heartbeats have their own lane and writer. While a data flush hangs in the disk
+    write, heartbeats still reach the spool and say what the rank is doing now (a collective
+    entered after the flush got stuck), and the shutdown's last heartbeat (``exited``) is
+    written within the shutdown's bound although the final data flush cannot run."""
+    t, writing, release = _tracer_with_a_stuck_write(tmp_path)
+    try:
+        assert writing.wait(10)  # a data flush is stuck in the disk write
+        t.collective_entered("0", 5, "all_reduce", 64, "float32", -1, False)
+
+        def beat_names_it() -> bool:
+            return any(5 in hb["pending_seqs"] for hb in _segments(tmp_path, "heartbeats"))
+
+        wait_until(beat_names_it, 10, "a heartbeat naming seq 5 while the data write is stuck", interval_s=0.01)
+        assert not release.is_set() and not _segments(tmp_path, "steps") and not _segments(tmp_path, "ranks")
+        t0 = time.monotonic()
+        t.shutdown(timeout_s=1.0)
+        assert time.monotonic() - t0 < 5.0
+        last = _segments(tmp_path, "heartbeats")[-1]
+        assert last["exited"] == 1 and last["pending_seqs"] == [5]
+        assert not _segments(tmp_path, "ranks")  # the data lane is still stuck: its rows are not in yet
+    finally:
+        release.set()
+
+
+def test_a_failing_heartbeat_write_is_counted_and_never_raises(tmp_path):
+    import errno
+
+    t = _tracer(tmp_path)
+
+    def full(table, rows):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    t._hb_writer.write = full
+    t.beat()  # logged and counted, not raised
+    t.beat()
+    assert t._drops["heartbeats:spool_write_failed"] == 2
+    t.flush()  # the data lane reports the heartbeat lane's losses
+    drops = [d for d in _segments(tmp_path, "drops") if d["what"] == "heartbeats:spool_write_failed"]
+    assert sum(d["count"] for d in drops) == 2
+    t.shutdown()
