@@ -377,6 +377,7 @@ class Agent:
                 self.metrics.registry, port=self.config.metrics_port, addr=self.config.metrics_addr
             )
             self.server.start()
+            log.info("ranklens collector: metrics on %s", self.server.url)  # the port, when 0 asked for any
         w = self._worker = Worker("ranklens-collector", max_queue=16)
         if self.tailer is not None:
             self._last_commit = time.monotonic()

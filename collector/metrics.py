@@ -1,15 +1,20 @@
 """Prometheus metrics of the collector, on a registry of its own, and the ``/metrics`` endpoint.
 
-Names follow Prometheus conventions (base units, ``_total`` for counters, ``_bytes``,
-``_seconds``, ``_celsius``, ``_watts``, ``_ratio``). All metrics live on the
+Names follow Prometheus conventions (base units, ``_total`` for counters, the unit last:
+``_bytes``, ``_seconds``, ``_celsius``, ``_watts``, ``_ratio``). All metrics live on the
 :class:`~prometheus_client.CollectorRegistry` passed in (a fresh one by default), never on the
-global registry, so several agents (or tests) in one process do not collide.
+global registry, so several agents (or tests) in one process do not collide. The registry also
+carries the collector process's own ``process_*`` series and ``python_info``
+(prometheus-client's ``ProcessCollector`` and ``PlatformCollector``).
 
 GPU gauges are produced at scrape time from the latest NVML reading (a custom collector), so a GPU
-that disappears stops being exported instead of freezing at its last value. Per-rank metrics
-(``ranklens_rank_*``: last step's duration, time blocked in collectives, newest heartbeat) come
-from the rows the collector ships for the ranks of its node. The endpoint that serves them is
-:class:`ranklens._metrics_http.MetricsServer`.
+that disappears stops being exported instead of freezing at its last value. Their host label is
+``node``, as in the findings' series. NVML's clocks-event (throttle) reasons bitmask is one 0/1
+gauge per reason (``ranklens_gpu_clocks_event_reason{reason}``, :data:`CLOCKS_EVENT_REASONS`), so
+PromQL selects a reason by label instead of decoding bits. Per-rank metrics (``ranklens_rank_*``:
+last step's duration, time blocked in collectives, newest heartbeat) come from the rows the
+collector ships for the ranks of its node. The endpoint that serves them is
+:class:`ranklens._metrics_http.MetricsServer` (no ``_created`` series; ``ranklens_build_info``).
 """
 
 from __future__ import annotations
@@ -20,16 +25,30 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ranklens.collector.logfilter import FilterStats
 from ranklens.collector.shipper import ShipResult
 
-__all__ = ["CollectorMetrics"]
+__all__ = ["CLOCKS_EVENT_REASONS", "CollectorMetrics"]
 
 NS = "ranklens"
+
+# NVML's clocks-event reasons (nvmlClocksEventReason*, formerly nvmlClocksThrottleReason*): the
+# `reason` label (NVML's name in snake_case) and the bit NVML sets for it
+CLOCKS_EVENT_REASONS: tuple[tuple[str, int], ...] = (
+    ("gpu_idle", 0x1),
+    ("applications_clocks_setting", 0x2),
+    ("sw_power_cap", 0x4),
+    ("hw_slowdown", 0x8),
+    ("sync_boost", 0x10),
+    ("sw_thermal_slowdown", 0x20),
+    ("hw_thermal_slowdown", 0x40),
+    ("hw_power_brake_slowdown", 0x80),
+    ("display_clock_setting", 0x100),
+)
 
 
 class _GpuCollector(Collector):
@@ -50,7 +69,7 @@ class _GpuCollector(Collector):
     def collect(self) -> Iterator[Any]:
         with self._lock:
             samples, extras = self._samples, self._extras
-        labels = ["host", "gpu", "uuid", "job_id", "rank"]
+        labels = ["node", "gpu", "uuid", "job_id", "rank"]
 
         def fam(kind: str, name: str, doc: str, extra_labels: Sequence[str] = ()) -> Any:
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
@@ -62,7 +81,12 @@ class _GpuCollector(Collector):
         g_pow = fam("gauge", "power_watts", "GPU power draw")
         g_temp = fam("gauge", "temperature_celsius", "GPU temperature")
         g_clk = fam("gauge", "clock_hertz", "GPU clock", ["clock"])
-        g_thr = fam("gauge", "clocks_event_reasons", "NVML clocks-event (throttle) reasons bitmask")
+        g_thr = fam(
+            "gauge",
+            "clocks_event_reason",
+            "1 while NVML reports this clocks-event (throttle) reason for the GPU, else 0",
+            ["reason"],
+        )
         c_ecc = fam("counter", "ecc_errors", "volatile ECC error count", ["type"])
         c_replay = fam("counter", "pcie_replay", "PCIe replay counter")
         c_nvl = fam("counter", "nvlink_errors", "NVLink CRC/replay/recovery error counters, summed")
@@ -78,7 +102,9 @@ class _GpuCollector(Collector):
             _add(g_temp, lv, s["temp_c"])
             _add(g_clk, [*lv, "sm"], s["sm_clock_mhz"] * 1e6)
             _add(g_clk, [*lv, "memory"], s["mem_clock_mhz"] * 1e6)
-            _add(g_thr, lv, s["throttle_reasons"])
+            bits = int(s["throttle_reasons"])
+            for reason, bit in CLOCKS_EVENT_REASONS:
+                g_thr.add_metric([*lv, reason], 1.0 if bits & bit else 0.0)
             _add(c_ecc, [*lv, "corrected"], s["ecc_corrected"], int_unknown=True)
             _add(c_ecc, [*lv, "uncorrected"], s["ecc_uncorrected"], int_unknown=True)
             _add(c_replay, lv, s["pcie_replay"], int_unknown=True)
@@ -196,7 +222,7 @@ class CollectorMetrics:
         r = self.registry
         p = f"{NS}_collector"
         self.log_lines_read = Counter(f"{p}_log_lines_read", "log lines read by the source filter", registry=r)
-        self.log_bytes_read = Counter(f"{p}_log_bytes_read", "log bytes read by the source filter", registry=r)
+        self.log_read_bytes = Counter(f"{p}_log_read_bytes", "log bytes read by the source filter", registry=r)
         self.log_lines_kept = Counter(
             f"{p}_log_lines_kept", "log lines kept (in events, repeats included), per class", ["class"], registry=r
         )
@@ -258,11 +284,16 @@ class CollectorMetrics:
         r.register(self._gpu)
         self._ranks = _RankCollector()
         r.register(self._ranks)
+        for own in (ProcessCollector, PlatformCollector):
+            try:  # the process's own series: process_* (CPU, memory, fds, start time), python_info
+                own(registry=r)
+            except ValueError:  # a registry that has them already (prometheus-client's global one)
+                pass
 
     def observe_filter(self, d: FilterStats) -> None:
         """Add a tailer commit's counters."""
         self.log_lines_read.inc(d.lines_read)
-        self.log_bytes_read.inc(d.bytes_read)
+        self.log_read_bytes.inc(d.bytes_read)
         self.log_lines_dropped.inc(max(d.lines_dropped, 0))
         self.log_repeats_collapsed.inc(d.repeats_collapsed)
         self.log_lines_truncated.inc(d.lines_truncated)

@@ -6,30 +6,102 @@ another machine scrapes is opened on purpose (the collector's ``metrics_addr``, 
 ``0.0.0.0`` in its config, or ``--metrics-addr``), never by accident. Port 0 takes a free port
 (read :attr:`MetricsServer.port` after :meth:`MetricsServer.start`).
 
+Every endpoint serves the same conventions, whatever registry it is given:
+
+- no ``_created`` series: prometheus-client adds one beside every counter, histogram and summary,
+  and Prometheus stores each as a series of its own (a timestamp that never changes). The server
+  leaves them out of what it serves (both text formats, ``name[]`` selections too) rather than
+  calling ``prometheus_client.disable_created_metrics()``, which would change every registry of the
+  process, a user's own included;
+- ``ranklens_build_info{version, python}`` = 1: which ranklens and which Python serve the
+  endpoint, the ``*_build_info`` convention of Prometheus' own exporters (join on it in PromQL).
+
 prometheus-client is imported only when a server starts.
 """
 
 from __future__ import annotations
 
+import platform
 import threading
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ranklens.errors import ConfigError
 
 if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
-__all__ = ["DEFAULT_ADDR", "MetricsBindError", "MetricsServer", "serve_metrics"]
+__all__ = ["BUILD_INFO", "DEFAULT_ADDR", "MetricsBindError", "MetricsServer", "build_version", "serve_metrics"]
 
 DEFAULT_ADDR = "127.0.0.1"
+BUILD_INFO = "ranklens_build_info"
+# the sample types prometheus-client gives a `<name>_created` sample
+_WITH_CREATED = frozenset({"counter", "histogram", "summary"})
 
 
 class MetricsBindError(ConfigError):
     """The endpoint cannot listen on the address and port it was given."""
 
 
+def build_version() -> str:
+    """The installed ranklens distribution's version (``"unknown"`` when it is not installed, e.g.
+    run from a source tree without ``pip install``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ranklens")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _build_info() -> Metric:
+    from prometheus_client.core import GaugeMetricFamily
+
+    g = GaugeMetricFamily(BUILD_INFO, "ranklens build serving this endpoint (always 1)", labels=("version", "python"))
+    g.add_metric([build_version(), platform.python_version()], 1.0)
+    return g
+
+
+def _without_created(metrics: Iterable[Metric]) -> Iterator[Metric]:
+    from prometheus_client.metrics_core import Metric
+
+    for m in metrics:
+        if m.type not in _WITH_CREATED:
+            yield m
+            continue
+        created = m.name + "_created"
+        # a copy: a custom collector may hand out the same family object on every scrape
+        out = Metric(m.name, m.documentation, m.type, m.unit)
+        out.samples = [s for s in m.samples if s.name != created]
+        yield out
+
+
+class _Exposed:
+    """What a :class:`MetricsServer` serves of a registry: its metrics without ``_created``
+    samples, and ``ranklens_build_info`` (unless the registry has its own). The two methods are
+    the ones prometheus-client's exposition calls."""
+
+    def __init__(self, registry: Any, *, build_info: bool = True) -> None:
+        self._registry = registry
+        self._build_info = build_info
+
+    def collect(self) -> Iterator[Metric]:
+        seen_build_info = False
+        for m in _without_created(self._registry.collect()):
+            seen_build_info = seen_build_info or m.name == BUILD_INFO
+            yield m
+        if self._build_info and not seen_build_info:
+            yield _build_info()
+
+    def restricted_registry(self, names: Iterable[str]) -> _Exposed:
+        names = set(names)  # `?name[]=...`: only those series, build info only when asked for
+        return _Exposed(self._registry.restricted_registry(names), build_info=BUILD_INFO in names)
+
+
 class MetricsServer:
-    """``/metrics`` for ``registry`` over HTTP, served by a daemon thread.
+    """``/metrics`` for ``registry`` over HTTP, served by a daemon thread: its metrics without
+    ``_created`` series, and ``ranklens_build_info`` (see the module's docstring).
 
     Args:
         registry: what to expose.
@@ -62,7 +134,7 @@ class MetricsServer:
         from prometheus_client import start_http_server
 
         try:
-            self._server, self._thread = start_http_server(self.port, addr=self.addr, registry=self.registry)
+            self._server, self._thread = start_http_server(self.port, addr=self.addr, registry=_Exposed(self.registry))
         except OSError as e:
             raise MetricsBindError(
                 f"cannot serve metrics on {self.addr}:{self.port}: {e.strerror or e}; "

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ranklens.collector.agent import Agent, load_config
 from ranklens.collector.fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, FakeNvml, fake_nvml
+from ranklens.collector.metrics import CLOCKS_EVENT_REASONS
 from ranklens.errors import ConfigError, StoreError
 from ranklens.formats.spool import SpoolWriter
 from ranklens.store.testing import DownStore, SlowStore
@@ -58,6 +59,7 @@ def test_agent_end_to_end_with_store_nvml_and_metrics(tmp_path, embedded_store):
     SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", [ROW, dict(ROW, seq=2)])
     _write_log(tmp_path, "rank-3.log", "step 1 loss 2.0", "step 2 loss 1.9", ERR, "step 3 loss 1.8")
     fake = fake_nvml(2)
+    fake.gpus[1].throttle_reasons = 0x4 | 0x40  # NVML: sw_power_cap, hw_thermal_slowdown
     agent = Agent(agent_config(tmp_path), store=embedded_store, nvml=fake)
     agent.start()
     try:
@@ -80,9 +82,16 @@ def test_agent_end_to_end_with_store_nvml_and_metrics(tmp_path, embedded_store):
         assert _metric(m, "ranklens_collector_log_lines_dropped_total") == 3
         assert _metric(m, "ranklens_collector_nvml_available") == 1
         assert _metric(m, "ranklens_gpu_events_total", kind="xid") == 1
-        gpu_labels = dict(host="node-a", gpu=0, uuid=fake.gpus[0].uuid, job_id="", rank=-1)
+        gpu_labels = dict(node="node-a", gpu=0, uuid=fake.gpus[0].uuid, job_id="", rank=-1)
         assert _metric(m, "ranklens_gpu_memory_total_bytes", **gpu_labels) == 80 << 30
         assert _metric(m, "ranklens_gpu_temperature_celsius", **gpu_labels) == 35
+        reasons = {
+            dict(k[1])["reason"]: v
+            for k, v in m.items()
+            if k[0] == "ranklens_gpu_clocks_event_reason" and dict(k[1])["gpu"] == "1"
+        }
+        assert reasons == {r: float(r in ("sw_power_cap", "hw_thermal_slowdown")) for r, _ in CLOCKS_EVENT_REASONS}
+        assert all(dict(k[1]).get("host") is None for k in m if k[0].startswith("ranklens_gpu_"))
         assert _metric(m, "ranklens_collector_last_ship_success_timestamp_seconds") > 0
         t0 = time.monotonic()
     finally:
