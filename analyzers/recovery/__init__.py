@@ -4,10 +4,11 @@ See ``docs/recovery.md``. The pieces:
 
 - :mod:`.policy`: the TOML policy (rules, guards, endpoints; dry-run by default)
 - :mod:`.engine`: :class:`RecoveryEngine` turns findings into decisions and carries them out, idempotently
-- :mod:`.webhooks`, :mod:`.outbox`, :mod:`.payload`, :mod:`.signing`: signed, durable, retried webhooks
+- :mod:`.webhooks`, :mod:`.outbox`, :mod:`.payload`, :mod:`.signing`: signed (the ranklens scheme, or
+  Standard Webhooks for stock verifiers), durable, retried webhooks
 - :mod:`.hooks`: ``@hook("straggler")`` Python remediation, bounded by a timeout
 - :mod:`.prometheus`, :mod:`.alertmanager`: findings as metrics; Alertmanager alerts attached to findings
-- :mod:`.testing`: a local webhook receiver that verifies signatures (for tests and trials)
+- :mod:`.testing`: a local webhook receiver that verifies either scheme's signatures (for tests and trials)
 
 Heavy or optional dependencies (prometheus-client) are imported only where used.
 """
@@ -33,7 +34,13 @@ from ranklens.analyzers.recovery.outbox import DeliveryOutbox
 from ranklens.analyzers.recovery.payload import PAYLOAD_SCHEMA, PAYLOAD_VERSION, build_payload
 from ranklens.analyzers.recovery.policy import Endpoint, Guards, Policy, PolicyRule, load_policy, parse_policy
 from ranklens.analyzers.recovery.prometheus import FindingsExporter, RecoveryMetrics
-from ranklens.analyzers.recovery.signing import sign, verify_request, verify_signature
+from ranklens.analyzers.recovery.signing import (
+    SignatureScheme,
+    sign,
+    verify_request,
+    verify_signature,
+    verify_standard,
+)
 from ranklens.analyzers.recovery.webhooks import HttpClientTransport, HttpResult, Transport, WebhookDispatcher
 
 __all__ = [
@@ -62,6 +69,7 @@ __all__ = [
     "RecoveryMetrics",
     "RunReport",
     "SignatureError",
+    "SignatureScheme",
     "Transport",
     "WebhookDispatcher",
     "act_on",
@@ -76,4 +84,5 @@ __all__ = [
     "sign",
     "verify_request",
     "verify_signature",
+    "verify_standard",
 ]

@@ -24,6 +24,7 @@ A policy is a TOML file (see ``docs/recovery.md``)::
     name = "oncall"
     url = "https://hooks.example/ranklens"
     secret_env = "RANKLENS_WEBHOOK_SECRET"
+    # signature = "standard"              # Standard Webhooks headers (a whsec_ secret); default "ranklens"
 
 Rules are tried in file order; the first that matches a finding decides its level. Unknown
 keys are errors (a misspelt ``min_confidence`` must not silently lower the bar). Secrets are
@@ -44,6 +45,7 @@ from urllib.parse import urlsplit
 
 from ranklens.analyzers.findings import Finding
 from ranklens.analyzers.recovery.api import Level, PolicyError
+from ranklens.analyzers.recovery.signing import SignatureScheme, standard_key
 from ranklens.formats.severity import Severity
 
 if sys.version_info >= (3, 11):
@@ -57,6 +59,7 @@ __all__ = [
     "Policy",
     "PolicyRule",
     "check_secret",
+    "check_signature",
     "load_policy",
     "parse_policy",
     "validate_webhook_url",
@@ -140,7 +143,12 @@ class Guards:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A webhook receiver. ``secret`` signs every delivery; it never appears in a repr or a log."""
+    """A webhook receiver. ``secret`` signs every delivery; it never appears in a repr or a log.
+
+    ``signature``: the schemes each delivery is signed with (see :mod:`.signing`), by default the
+    ranklens one; with :attr:`SignatureScheme.STANDARD` (Standard Webhooks) the secret must be a
+    ``whsec_<base64>`` secret, which a receiver gives as is to a stock Standard Webhooks library.
+    """
 
     name: str
     url: str
@@ -153,10 +161,12 @@ class Endpoint:
     backoff_max_s: float = 300.0
     max_age_s: float = 86400.0
     allow_http: bool = False
+    signature: tuple[SignatureScheme, ...] = (SignatureScheme.RANKLENS,)
 
     def __post_init__(self) -> None:
         validate_webhook_url(self.url, allow_http=self.allow_http, where=f"endpoint {self.name!r}.url")
         check_secret(self.secret, where=f"endpoint {self.name!r}.secret")
+        check_signature(self.signature, self.secret, where=f"endpoint {self.name!r}")
 
     def accepts(self, level: Level, kind: str) -> bool:
         return level in self.levels and ("*" in self.kinds or kind in self.kinds)
@@ -233,6 +243,42 @@ def check_secret(secret: str, *, where: str = "secret", source: str = "<endpoint
             "(e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)",
         )
     return secret
+
+
+def check_signature(
+    schemes: tuple[SignatureScheme, ...],
+    secret: str,
+    *,
+    where: str = "endpoint",
+    source: str = "<endpoint>",
+    secret_from: str = "the secret",
+) -> tuple[SignatureScheme, ...]:
+    """Check an endpoint's signature schemes, and that its secret suits them (never shown).
+
+    ``secret_from`` says where the secret was read (e.g. ``secret_env RANKLENS_WEBHOOK_SECRET``).
+
+    Raises:
+        PolicyError: no scheme, one twice, a value that is not a :class:`SignatureScheme`, or the
+            Standard Webhooks scheme with a secret that is not ``whsec_<base64>`` of 24+ bytes.
+    """
+    if not schemes or not all(isinstance(x, SignatureScheme) for x in schemes) or len(set(schemes)) < len(schemes):
+        raise PolicyError(
+            source,
+            f"{where}.signature",
+            f"{[getattr(x, 'value', x) for x in schemes]!r}: give one or both of {_scheme_choices()}, each once",
+        )
+    if SignatureScheme.STANDARD in schemes:
+        try:
+            standard_key(secret)
+        except ValueError as e:
+            raise PolicyError(
+                source, f"{where}.signature", f"signature {SignatureScheme.STANDARD.value!r} with {secret_from}: {e}"
+            ) from None
+    return schemes
+
+
+def _scheme_choices() -> str:
+    return ", ".join(repr(x.value) for x in SignatureScheme)
 
 
 def _is_loopback(host: str) -> bool:
@@ -375,6 +421,7 @@ def _endpoint(
             "backoff_max_s",
             "max_age_s",
             "allow_http",
+            "signature",
             "secret",
         },
     )
@@ -387,12 +434,14 @@ def _endpoint(
     if "secret_env" in d:
         var = r.string(d, where, "secret_env", "")
         secret = env.get(var, "")
+        secret_from = f"secret_env {var}"
         if not secret:
             raise PolicyError(source, f"{where}.secret_env", f"environment variable {var} is not set or empty")
     else:
         sp = Path(r.string(d, where, "secret_file", ""))
         if not sp.is_absolute() and base_dir is not None:
             sp = Path(base_dir) / sp
+        secret_from = f"secret_file {sp}"
         try:
             secret = sp.read_text().strip()
         except OSError as e:
@@ -407,6 +456,16 @@ def _endpoint(
         r.string(d, where, "url", ""), allow_http=allow_http, where=f"{where}.url", source=source
     )
     check_secret(secret, where=f"{where}.{'secret_env' if 'secret_env' in d else 'secret_file'}", source=source)
+    signature = check_signature(
+        tuple(
+            r.scheme(x, f"{where}.signature")
+            for x in r.strings(d, where, "signature", (SignatureScheme.RANKLENS.value,))
+        ),
+        secret,
+        where=where,
+        source=source,
+        secret_from=secret_from,
+    )
     return Endpoint(
         name=name,
         url=url,
@@ -419,6 +478,7 @@ def _endpoint(
         backoff_max_s=r.number(d, where, "backoff_max_s", 300.0, lo=0),
         max_age_s=r.number(d, where, "max_age_s", 86400.0, lo=1),
         allow_http=allow_http,
+        signature=signature,
     )
 
 
@@ -514,6 +574,14 @@ class _Reader:
         except ValueError:
             allowed = ", ".join(repr(s.value) for s in Severity)
             raise self._err(where, key, f"{v!r} is not a severity; one of {allowed}") from None
+
+    def scheme(self, v: str, key: str) -> SignatureScheme:
+        try:
+            return SignatureScheme(v)
+        except ValueError:
+            raise PolicyError(
+                self.source, key, f"{v!r} is not a signature scheme; one of {_scheme_choices()}"
+            ) from None
 
     def level(self, v: Any, key: str, *, allow_recommended: bool = False) -> Level:
         try:

@@ -1,8 +1,9 @@
 """A real, local webhook receiver for tests and trials: verifies signatures, records deliveries.
 
 It is an ``http.server`` on 127.0.0.1 (port 0: a free port) in a daemon thread, answering with a
-script of responses (e.g. 500 then 200, or a delay longer than the sender's timeout), and
-deduplicating by ``Idempotency-Key`` as a well-behaved receiver should::
+script of responses (e.g. 500 then 200, or a delay longer than the sender's timeout), checking
+either signature scheme (:func:`.signing.verify_request`), and deduplicating by
+``Idempotency-Key`` (or the Standard Webhooks ``webhook-id``) as a well-behaved receiver should::
 
     with WebhookReceiver(secret) as rx:
         ...  # point an endpoint at rx.url
@@ -20,18 +21,31 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ranklens.analyzers.recovery.api import SignatureError
-from ranklens.analyzers.recovery.signing import verify_request
+from ranklens.analyzers.recovery.signing import SignatureScheme, verify_request
 
 __all__ = ["Received", "Response", "WebhookReceiver"]
 
 
 @dataclass(frozen=True)
 class Response:
-    """One scripted answer: ``status``, after sleeping ``delay_s`` (to exceed a sender's timeout)."""
+    """One scripted answer: ``status``, after sleeping ``delay_s`` (to exceed a sender's timeout).
+
+    ``retry_after_s`` sends ``Retry-After`` as whole seconds; ``retry_after`` sends the header's
+    text as given (an HTTP date, or a malformed value); at most one of the two.
+    """
 
     status: int = 200
     delay_s: float = 0.0
     retry_after_s: float | None = None
+    retry_after: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.retry_after_s is not None and self.retry_after is not None:
+            raise ValueError("give retry_after_s (seconds) or retry_after (the header's text), not both")
+
+    @property
+    def retry_after_header(self) -> str | None:
+        return str(int(self.retry_after_s)) if self.retry_after_s is not None else self.retry_after
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,7 @@ class Received:
     signature_error: str
     status: int
     duplicate: bool
+    scheme: SignatureScheme | None = None  # the scheme whose signature was valid
 
     @property
     def payload(self) -> dict[str, Any]:
@@ -51,14 +66,16 @@ class Received:
 
     @property
     def idempotency_key(self) -> str:
-        return self.headers.get("idempotency-key", "")
+        """``Idempotency-Key``, else the Standard Webhooks ``webhook-id`` (ranklens sends both, equal)."""
+        return self.headers.get("idempotency-key") or self.headers.get("webhook-id", "")
 
 
 class WebhookReceiver:
-    """A local HTTP receiver that checks ranklens signatures.
+    """A local HTTP receiver that checks ranklens or Standard Webhooks signatures.
 
     Args:
-        secret: the shared secret (or several). A request with a bad signature gets 401.
+        secret: the shared secret (or several; ``whsec_…`` ones for Standard Webhooks). A request
+            with no valid signature gets 401.
         responses: answers to give in order; when they run out, ``default`` is given.
         tolerance_s: timestamp tolerance of the signature check.
     """
@@ -110,8 +127,9 @@ class WebhookReceiver:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n)
                 headers = {k.lower(): v for k, v in self.headers.items()}
+                scheme: SignatureScheme | None = None
                 try:
-                    verify_request(headers, body, rx._secret, tolerance_s=rx._tolerance_s)
+                    scheme = verify_request(headers, body, rx._secret, tolerance_s=rx._tolerance_s)
                     ok, err = True, ""
                 except SignatureError as e:
                     ok, err = False, str(e)
@@ -119,16 +137,16 @@ class WebhookReceiver:
                 if resp.delay_s:
                     time.sleep(resp.delay_s)
                 status = resp.status if ok else 401
-                key = headers.get("idempotency-key", "")
+                key = headers.get("idempotency-key") or headers.get("webhook-id", "")
                 with rx._lock:
                     dup = status < 300 and key in rx._acked_keys
                     if status < 300 and key:
                         rx._acked_keys.add(key)
-                    rx.requests.append(Received(headers, body, ok, err, status, dup))
+                    rx.requests.append(Received(headers, body, ok, err, status, dup, scheme))
                 try:
                     self.send_response(status)
-                    if resp.retry_after_s is not None:
-                        self.send_header("Retry-After", str(int(resp.retry_after_s)))
+                    if resp.retry_after_header is not None:
+                        self.send_header("Retry-After", resp.retry_after_header)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                 except OSError:

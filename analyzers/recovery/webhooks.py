@@ -4,31 +4,40 @@ The HTTP client is the standard library's ``http.client`` behind a one-method
 :class:`Transport` protocol (tests and users may pass their own). Redirects are not followed (a
 signed body is never forwarded to a host the policy did not name). Every attempt becomes an
 ``actions`` row whose ``target`` is ``webhook:<endpoint name>``; the URL, the headers and the
-secret are never logged nor stored.
+secret are never logged nor stored. Each attempt is signed afresh in the endpoint's schemes
+(:mod:`.signing`); the Standard Webhooks ``webhook-id`` is the decision's idempotency key, the
+same on every retry, so a receiver deduplicates on it.
 
 Classification of an attempt: 2xx acknowledged; 408, 425, 429, 5xx, timeouts and connection
-errors are retried (``Retry-After`` seconds are honoured up to ``backoff_max_s``); any other
-status is a permanent failure (e.g. 401: the receiver rejects the signature; retrying will not
-help). Retries wait ``min(backoff_max_s, backoff_base_s * 2**(n-1))``, half of it fixed and half
-random ("equal jitter"), and stop after ``max_attempts`` or ``max_age_s``.
+errors are retried; any other status is a permanent failure (e.g. 401: the receiver rejects the
+signature; retrying will not help). Retries wait ``min(backoff_max_s, backoff_base_s * 2**(n-1))``,
+half of it fixed and half random ("equal jitter"), and stop after ``max_attempts`` or
+``max_age_s``. A ``Retry-After`` header (RFC 9110 §10.2.3: delay-seconds, or an HTTP date read
+against the dispatcher's clock) lengthens that wait to what it asks, up to ``backoff_max_s``; it
+never shortens it (a date in the past asks for no wait, so the backoff stands: a receiver that
+always answers "now" cannot burn through the attempts at once), as the OpenTelemetry Collector's
+exporters treat a throttling answer. A value that is neither is ignored.
 """
 
 from __future__ import annotations
 
+import email.utils
 import http.client
 import logging
 import random
+import re
 import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timezone
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from ranklens.analyzers.recovery.audit import action_row
 from ranklens.analyzers.recovery.outbox import Delivery, DeliveryOutbox
 from ranklens.analyzers.recovery.policy import Endpoint
-from ranklens.analyzers.recovery.signing import signature_headers
+from ranklens.analyzers.recovery.signing import SignatureScheme, signature_headers, standard_signature_headers
 
 __all__ = [
     "DeliveryStats",
@@ -38,6 +47,7 @@ __all__ = [
     "WebhookDispatcher",
     "backoff_s",
     "delivery_headers",
+    "parse_retry_after",
 ]
 
 logger = logging.getLogger("ranklens.recovery")
@@ -49,12 +59,18 @@ USER_AGENT = "ranklens-recovery/1"
 
 @dataclass(frozen=True)
 class HttpResult:
-    """What one POST ended with. ``status`` 0: no HTTP response (``error`` says why)."""
+    """What one POST ended with. ``status`` 0: no HTTP response (``error`` says why).
+
+    ``retry_after``: the response's ``Retry-After`` header as sent (seconds or an HTTP date; the
+    dispatcher reads it with its own clock, see :func:`parse_retry_after`). ``retry_after_s``: the same
+    already in seconds, for a transport that parsed it itself; it wins over ``retry_after``.
+    """
 
     status: int
     reason: str = ""
     retry_after_s: float | None = None
     error: str = ""
+    retry_after: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -99,7 +115,7 @@ class HttpClientTransport:
                 conn.request("POST", path, body=body, headers=dict(headers))
                 resp = conn.getresponse()
                 resp.read(MAX_RESPONSE_BYTES)
-                return HttpResult(resp.status, resp.reason or "", _retry_after(resp.getheader("Retry-After")))
+                return HttpResult(resp.status, resp.reason or "", retry_after=resp.getheader("Retry-After"))
             finally:
                 conn.close()
         except TimeoutError:
@@ -111,11 +127,30 @@ class HttpClientTransport:
             return HttpResult(0, error=f"{type(e).__name__}: {e}"[:300])
 
 
-def _retry_after(v: str | None) -> float | None:
+_DELAY_SECONDS = re.compile(r"[0-9]+")
+
+
+def parse_retry_after(value: str | None, now_s: float) -> float | None:
+    """The wait a ``Retry-After`` header asks for, in seconds from ``now_s``; None if it asks nothing.
+
+    RFC 9110 §10.2.3: either delay-seconds (digits) or an HTTP-date. The IMF-fixdate form
+    (``Wed, 02 Dec 2026 05:30:00 GMT``) and the obsolete RFC 850 and asctime forms, which
+    recipients must accept, are all read by :func:`email.utils.parsedate_to_datetime`; a date with
+    no zone is GMT, as every HTTP date is. A date in the past asks for 0 s. Anything else (a
+    negative or fractional number, text, an empty header) is ignored: None.
+    """
+    if value is None:
+        return None
+    v = value.strip()
+    if _DELAY_SECONDS.fullmatch(v):
+        return float(v)  # digits only: a 400-digit value is inf, capped later
     try:
-        return max(0.0, float(v)) if v is not None else None
-    except ValueError:
-        return None  # the HTTP-date form: ignore, use our backoff
+        when = email.utils.parsedate_to_datetime(v)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, when.timestamp() - now_s)
 
 
 def backoff_s(endpoint: Endpoint, attempt_no: int, rng: random.Random) -> float:
@@ -125,16 +160,22 @@ def backoff_s(endpoint: Endpoint, attempt_no: int, rng: random.Random) -> float:
 
 
 def delivery_headers(endpoint: Endpoint, d: Delivery, attempt_no: int, now_s: float) -> dict[str, str]:
-    """Every header of one attempt, signed afresh (the timestamp is that of the attempt)."""
-    return {
+    """Every header of one attempt, signed afresh in each of the endpoint's schemes (the timestamp
+    is that of the attempt; the Standard Webhooks ``webhook-id`` is the delivery's idempotency key)."""
+    headers = {
         "Content-Type": "application/json",
         "User-Agent": USER_AGENT,
         "Idempotency-Key": d.key,
         "X-Ranklens-Event": "action",
         "X-Ranklens-Delivery": str(d.id),
         "X-Ranklens-Attempt": str(attempt_no),
-        **signature_headers(endpoint.secret, d.body, now_s=now_s),
     }
+    for scheme in endpoint.signature:
+        if scheme is SignatureScheme.STANDARD:
+            headers.update(standard_signature_headers(endpoint.secret, d.key, d.body, now_s=now_s))
+        else:
+            headers.update(signature_headers(endpoint.secret, d.body, now_s=now_s))
+    return headers
 
 
 @dataclass
@@ -208,8 +249,11 @@ class WebhookDispatcher:
             state, outcome, next_ns = "failed", "failed", 0
         else:
             wait = backoff_s(ep, n, self._rng)
-            if result.retry_after_s is not None:
-                wait = max(wait, min(result.retry_after_s, ep.backoff_max_s))
+            asked = result.retry_after_s
+            if asked is None:
+                asked = parse_retry_after(result.retry_after, done_ns / 1e9)
+            if asked is not None:
+                wait = max(wait, min(asked, ep.backoff_max_s))
             state, outcome, next_ns = "pending", "retrying", done_ns + int(wait * 1e9)
         detail = result.describe()
         if outcome == "failed" and result.retryable:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import textwrap
 
 import pytest
 
 from ranklens.analyzers.findings import Severity
-from ranklens.analyzers.recovery import Level, PolicyError, load_policy, parse_policy
+from ranklens.analyzers.recovery import Endpoint, Level, PolicyError, SignatureScheme, load_policy, parse_policy
 from ranklens.analyzers.recovery.policy import validate_webhook_url
 from ranklens.errors import ConfigError
 from tests.recovery_helpers import SECRET, finding
@@ -143,3 +144,49 @@ def test_url_validation_hides_query_and_allows_loopback_http():
     assert "TOPSECRET" not in str(e.value)
     with pytest.raises(PolicyError, match="whitespace"):
         validate_webhook_url("https://h.example/x y")
+
+
+# -- signature schemes (issue 20) -----------------------------------------------------------
+
+WHSEC = "whsec_" + base64.b64encode(bytes(range(32))).decode()
+ENDPOINT = "[[endpoint]]\nname = 'e'\nurl = 'https://h.example/x'\nsecret_env = 'S'\n"
+
+
+def test_endpoint_signature_schemes(tmp_path):
+    def endpoint(extra: str, secret: str = WHSEC):
+        return load_policy(write(tmp_path, ENDPOINT + extra), env={"S": secret}).endpoints[0]
+
+    assert endpoint("", SECRET).signature == (SignatureScheme.RANKLENS,)  # the default: unchanged
+    assert endpoint("signature = 'standard'").signature == (SignatureScheme.STANDARD,)
+    both = endpoint("signature = ['standard', 'ranklens']")
+    assert both.signature == (SignatureScheme.STANDARD, SignatureScheme.RANKLENS)
+    # bare base64 (no whsec_ prefix) is a Standard Webhooks secret too, as the stock libraries read it
+    assert endpoint("signature = 'standard'", base64.b64encode(b"k" * 24).decode()).signature
+    # the ranklens scheme takes any secret of 16+ characters, a whsec_ one included
+    assert endpoint("signature = 'ranklens'").secret == WHSEC
+
+
+@pytest.mark.parametrize(
+    ("extra", "secret", "needle"),
+    [
+        ("signature = 'svix'", WHSEC, "e).signature: 'svix' is not a signature scheme; one of 'ranklens', 'standard'"),
+        ("signature = []", WHSEC, "signature: expected a non-empty array of strings"),
+        ("signature = ['standard', 'standard']", WHSEC, "each once"),
+        ("signature = 'standard'", SECRET, "'standard' with secret_env S: a Standard Webhooks secret is whsec_"),
+        ("signature = 'standard'", "whsec_" + base64.b64encode(b"k" * 16).decode(), "at least 24 bytes"),
+        ("signature = 'standard'", "whsec_" + "A" * 33, "is not base64"),  # 33 characters cannot be base64
+    ],
+)
+def test_bad_signature_names_the_key_and_never_the_secret(tmp_path, extra, secret, needle):
+    p = write(tmp_path, ENDPOINT + extra)
+    with pytest.raises(PolicyError) as e:
+        load_policy(p, env={"S": secret})
+    assert needle in str(e.value) and str(p) in str(e.value)
+    assert secret not in str(e.value) and secret.removeprefix("whsec_") not in str(e.value)
+
+
+def test_endpoint_built_in_code_checks_its_signature_too():
+    with pytest.raises(PolicyError, match="not base64"):
+        Endpoint(name="e", url="https://h.example/x", secret=SECRET, signature=(SignatureScheme.STANDARD,))
+    with pytest.raises(PolicyError, match="give one or both"):
+        Endpoint(name="e", url="https://h.example/x", secret=WHSEC, signature=())
