@@ -179,6 +179,8 @@ class Tracer:
             if self.ledger is not None:  # the flight-recorder ring's new collectives (tracing/_ledger.py)
                 self.ledger.poll(self.clock(), force=self._stop.is_set())
             rows = self._take()
+            if self.spans is not None:  # OpenTelemetry spans and metrics, made here and not on the training thread
+                self.spans.flushed(rows, self.count_drop)
             now = self.clock()
             if self._cpu is not None and (cpu := self._cpu.sample(now)) is not None:
                 rows.append(("cpu", cpu))

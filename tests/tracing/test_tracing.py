@@ -271,49 +271,6 @@ def test_profiler_windows_every_n_steps_and_on_trigger(tmp_path, embedded_store)
     assert embedded_store.query("SELECT count() FROM trace_events WHERE name LIKE '%mm%'").scalar() >= 3
 
 
-def test_opentelemetry_spans_per_step_with_phase_children(tmp_path):
-    otel = pytest.importorskip("opentelemetry.sdk.trace", reason="opentelemetry-sdk is not installed")
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    import ranklens.tracing as rlt
-
-    exporter = InMemorySpanExporter()
-    provider = otel.TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    rlt.init(job_id="otel", spool_dir=str(tmp_path), rank=1, world_size=2, patch_distributed=False,
-             otel_provider=provider)  # fmt: skip
-    try:
-        for i in range(2):
-            with rlt.step(i), rlt.phase("forward"), rlt.phase("attention"):
-                pass
-    finally:
-        rlt.shutdown()
-    spans = exporter.get_finished_spans()
-    steps = [s for s in spans if s.name.startswith("step ")]
-    assert [s.name for s in steps] == ["step 0", "step 1"]
-    assert steps[0].attributes["ranklens.rank"] == 1 and steps[0].attributes["ranklens.job_id"] == "otel"
-    children = [s for s in spans if s.parent is not None and s.parent.span_id == steps[0].context.span_id]
-    assert sorted(c.name for c in children) == ["attention", "forward"]
-    assert all(steps[0].start_time <= c.start_time <= c.end_time <= steps[0].end_time for c in children)
-
-
-def test_opentelemetry_off_by_default(tmp_path, monkeypatch):
-    import ranklens.tracing as rlt
-    from ranklens.otel import otel_requested
-
-    for var in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        monkeypatch.delenv(var, raising=False)
-    assert not otel_requested()
-    assert otel_requested({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
-    assert not otel_requested({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x"})
-    t = rlt.init(job_id="j", spool_dir=str(tmp_path), rank=0, world_size=1, patch_distributed=False)
-    try:
-        assert t is not None and t.spans is None
-    finally:
-        rlt.shutdown()
-
-
 def test_dataloader_waits_are_timed_automatically(tmp_path):
     import time as _time
 
