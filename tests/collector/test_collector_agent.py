@@ -317,13 +317,14 @@ def test_alert_rules_use_metrics_the_collector_exports():
     from ranklens.collector.metrics import CollectorMetrics
 
     rules = (Path(__file__).resolve().parents[2] / "deploy/prometheus/ranklens-rules.yml").read_text()
-    wanted = set(re.findall(r"ranklens_collector_[a-z_]+", rules))
+    wanted = set(re.findall(r"ranklens_(?:collector|gpu|rank)_[a-z_]+", rules))
     reg = CollectorRegistry()
     CollectorMetrics(reg)
     exported = {s.name for fam in reg.collect() for s in fam.samples} | {fam.name for fam in reg.collect()}
     # a labelled counter shows no sample before its first label; its samples will be <name>_total
     exported |= {fam.name + "_total" for fam in reg.collect() if fam.type == "counter"}
     assert wanted and wanted <= exported, wanted - exported
+    assert "ranklens_gpu_clocks_event_reason" in wanted  # the GPU rules read the collector's own series
 
 
 def test_shipping_loop_spans_when_asked(tmp_path, embedded_store):
