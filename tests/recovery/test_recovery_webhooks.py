@@ -11,10 +11,12 @@ import hashlib
 import json
 import logging
 import random
+import re
 import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import standardwebhooks
@@ -519,3 +521,17 @@ def test_retry_after_date_honoured_and_capped(embedded_store, tmp_path, header, 
     else:
         assert clock.slept[0] == expected_s
         assert actions(embedded_store)[0]["detail"].endswith(f"next attempt in {expected_s:.1f} s")
+
+
+def test_documented_stock_library_receiver_works(monkeypatch):
+    doc = (Path(__file__).resolve().parents[2] / "docs/recovery.md").read_text()
+    src = re.search(r"```python\n(import os\n\nfrom standardwebhooks .*?)```", doc, re.S).group(1)
+    done: list[str] = []
+    monkeypatch.setenv("RANKLENS_WEBHOOK_SECRET", WHSEC)
+    ns: dict = {"already_done": done.__contains__, "act_on": lambda event: done.append(event["idempotency_key"])}
+    exec(src, ns)
+    body = json.dumps({"idempotency_key": "k" * 32, "action": {"level": "notify"}}).encode()
+    headers = {"Content-Type": "application/json", **standard_signature_headers(WHSEC, "k" * 32, body)}
+    assert ns["handle"](headers, body) == 204 and done == ["k" * 32]
+    assert ns["handle"](headers, body) == 200 and done == ["k" * 32]  # a retry: already done
+    assert ns["handle"](headers, body.replace(b"notify", b"restart_job")) == 401
