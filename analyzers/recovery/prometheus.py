@@ -5,7 +5,8 @@ of a finding has the same stable labels::
 
     job_id, attempt, kind, severity, finding_id, rank, node
 
-(``rank``/``node``: the first suspect's, ``""`` when none; the finding id is stable while the
+(``rank``/``node``: the first suspect's, ``""`` when none; ``node`` is the label name every
+ranklens series uses for a host, the collector's GPU series too; the finding id is stable while the
 problem lasts, so a series does not churn between analyses). Metrics:
 
 - ``ranklens_finding_open``: 1 while the finding is open, 0 once resolved
@@ -18,7 +19,9 @@ problem lasts, so a series does not churn between analyses). Metrics:
 
 :class:`RecoveryMetrics` counts decisions and delivery outcomes and shows the outbox backlog.
 The shipped alert rules (``deploy/prometheus/ranklens-rules.yml``) use these names. Serve a
-registry with :func:`ranklens._metrics_http.serve_metrics` (re-exported by the package).
+registry with :func:`ranklens._metrics_http.serve_metrics` (re-exported by the package): it serves
+no ``_created`` series (the counters here would each get one from prometheus-client) and adds
+``ranklens_build_info``.
 """
 
 from __future__ import annotations

@@ -234,3 +234,13 @@ def test_live_findings_endpoint_scrape_passes_promtool(tmp_path):
     assert set(opened[0]) == {"job_id", "attempt", "kind", "severity", "finding_id", "rank", "node"}
     assert "_created" not in body and "_created" not in openmetrics
     _build_info_is_this_ranklens(samples)
+
+
+def test_clocks_event_reasons_are_nvmls_names_and_bits():
+    import pynvml  # nvidia-ml-py, NVIDIA's bindings (the collector extra); no GPU needed for constants
+
+    for reason, bit in CLOCKS_EVENT_REASONS:
+        camel = "".join(w.capitalize() for w in reason.split("_"))
+        assert getattr(pynvml, f"nvmlClocksEventReason{camel}") == bit, reason
+    # every reason NVML's clocks-event API knows, each once
+    assert sum(bit for _, bit in CLOCKS_EVENT_REASONS) == pynvml.nvmlClocksEventReasonAll
