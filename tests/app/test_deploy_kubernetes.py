@@ -85,7 +85,13 @@ def all_components() -> Iterator[Path]:
 def renders(all_components) -> dict[str, list[dict[str, Any]]]:
     out = {"root": _render(K8S), "base": _render(K8S / "base"), "all-components": _render(all_components)}
     out.update({f"overlays/{o}": _render(K8S / "overlays" / o) for o in OVERLAYS})
+    # the example training job is applied as it is: validated and checked like the rest
+    out.update({f"examples/{p.name}": _load(p) for p in sorted((K8S / "examples").glob("*.yaml"))})
     return out
+
+
+def _load(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
 def _one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -226,7 +232,7 @@ def test_pods_that_need_privileged_live_in_a_namespace_that_enforces_privileged(
             assert ns in namespaces, f"{name}: {workload['metadata']['name']} ({why}) in unlabelled namespace {ns}"
             labels = namespaces[ns]["metadata"].get("labels", {})
             assert labels.get("pod-security.kubernetes.io/enforce") == "privileged", (name, why, labels)
-        assert needy >= 1, name  # the collector needs it in every variant (hostPath)
+        assert needy >= 1, name  # the collector and the training pods need it (hostPath)
     # the detector sees what the base needs: hostPath and hostPID; not the initContainer's two
     # capabilities (baseline allows CHOWN and FOWNER)
     why = _needs_privileged(_pod(renders["base"])["spec"])
@@ -513,3 +519,43 @@ def test_recovery_rbac_grants_cordon_and_pod_eviction_to_its_service_account(ren
     }  # fmt: skip
     # the collector does not run as it (it needs no API access)
     assert "serviceAccountName" not in _pod(docs)["spec"]
+
+
+def test_the_example_training_job_uses_the_spool_the_collector_prepared(renders):
+    base = _pod(renders["base"])["spec"]
+    (init,) = base["initContainers"]
+    spool_group = int(init["command"][init["command"].index("--gid") + 1])
+    collector_spool = next(v["hostPath"]["path"] for v in base["volumes"] if v["name"] == "spool")
+    job = _one(renders["examples/training-job.yaml"], "Job")["spec"]["template"]["spec"]
+    (c,) = job["containers"]
+    spool = next(v for v in job["volumes"] if "hostPath" in v)
+    # the same node directory, never created by the training pod (the collector's initContainer does)
+    assert spool["hostPath"] == {"path": collector_spool, "type": "Directory"}
+    mount = next(m for m in c["volumeMounts"] if m["name"] == spool["name"])
+    env = {e["name"]: e for e in c["env"]}
+    assert env["RANKLENS_SPOOL"]["value"] == mount["mountPath"] and not mount.get("readOnly")
+    assert spool_group in job["securityContext"]["supplementalGroups"]
+    assert env["RANKLENS_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert "batch.kubernetes.io/job-name" in env["RANKLENS_JOB_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert job["hostPID"] is True and job["nodeSelector"] == base["nodeSelector"]
+    # traced by `ranklens run`, which leaves shipping to the node's collector
+    assert c["command"][:3] == ["ranklens", "run", "--no-collect"]
+
+
+def test_the_docs_overlay_example_renders_and_validates(tmp_path):
+    """docs/kubernetes.md's own overlay (several components, an image, a PodMonitor label) works."""
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+    block = text.split("# my-cluster/kustomization.yaml, beside deploy/\n", 1)[1].split("```", 1)[0]
+    kdir = tmp_path / "my-cluster"
+    kdir.mkdir()
+    (kdir / "kustomization.yaml").write_text(block.replace("../deploy/kubernetes", os.path.relpath(K8S, kdir)))
+    docs = _render(kdir)
+    for doc in docs:
+        _validate(doc, K8S_VERSIONS[-1])
+    pod = _pod(docs)
+    assert pod["spec"]["runtimeClassName"] == "nvidia"
+    assert {c["image"] for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]} == {
+        "registry.example.com/ranklens:0.1.0"
+    }
+    assert _one(docs, "PodMonitor")["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert _one(docs, "ServiceAccount", "ranklens-recovery")
