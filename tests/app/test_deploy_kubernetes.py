@@ -13,8 +13,10 @@ pod's user (with the documented supplemental group, under the usual umask 022) u
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
+import runpy
 import shutil
 import stat
 import subprocess
@@ -315,9 +317,19 @@ def test_the_init_container_is_minimal_and_prepares_the_collectors_hostpath_dirs
 # --- the spool's ownership, for real --------------------------------------------------------------
 
 
-def _as(uid: int, gid: int, groups: list[int], code: str, *, caps: list[str] | None = None, nnp: bool = True) -> str:
+def _as(
+    uid: int,
+    gid: int,
+    groups: list[int],
+    code: str,
+    *,
+    caps: list[str] | None = None,
+    nnp: bool = True,
+    rc: int = 0,
+) -> str:
     """Run Python ``code`` as uid:gid with these supplementary groups, holding only ``caps`` (the
-    container's bounding set), under umask 022; returns stdout, fails the test on an error."""
+    container's bounding set), under umask 022; returns its stdout and stderr, and fails the test
+    unless it exits with ``rc``."""
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("setpriv (util-linux) is not installed")
@@ -332,8 +344,8 @@ def _as(uid: int, gid: int, groups: list[int], code: str, *, caps: list[str] | N
         timeout=60,
         cwd="/",
     )
-    assert r.returncode == 0, f"as {uid}:{gid} {groups}: {r.stdout}\n{r.stderr}"
-    return r.stdout
+    assert r.returncode == rc, f"as {uid}:{gid} {groups}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r.stdout + r.stderr
 
 
 @pytest.fixture
@@ -349,9 +361,12 @@ def node_dirs() -> Iterator[Path]:
         shutil.rmtree(top)
 
 
-def _run_init_container(docs: list[dict[str, Any]], node: Path) -> dict[str, Path]:
+def _run_init_container(
+    docs: list[dict[str, Any]], node: Path, *, group: int | None = None, rc: int = 0
+) -> tuple[dict[str, Path], str]:
     """Run the initContainer's command as the manifest says (user, group, capabilities, mounts) on
-    the node's directories (``node`` stands for its ``/``); returns each of its volumes' directory."""
+    the node's directories (``node`` stands for its ``/``), or with another ``group``; returns each
+    of its volumes' directory, and what the command printed."""
     pod = _pod(docs)["spec"]
     (init,) = pod["initContainers"]
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -383,15 +398,11 @@ def _run_init_container(docs: list[dict[str, Any]], node: Path) -> dict[str, Pat
     assert argv[0] == "python3"
     sc = {**pod["securityContext"], **init["securityContext"]}
     code = f"import runpy, sys; sys.argv = {argv[1:]!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
-    _as(
-        sc["runAsUser"],
-        sc["runAsGroup"],
-        [],
-        code,
-        caps=sc["capabilities"]["add"],
-        nnp=not sc["allowPrivilegeEscalation"],
+    gid = sc["runAsGroup"] if group is None else group
+    out = _as(
+        sc["runAsUser"], gid, [], code, caps=sc["capabilities"]["add"], nnp=not sc["allowPrivilegeEscalation"], rc=rc
     )
-    return {m["name"]: host[m["mountPath"]] for m in init["volumeMounts"]}
+    return {m["name"]: host[m["mountPath"]] for m in init["volumeMounts"]}, out
 
 
 def test_the_init_container_makes_the_spool_usable_by_the_collector_and_training_pods(renders, node_dirs):
@@ -409,13 +420,14 @@ def test_the_init_container_makes_the_spool_usable_by_the_collector_and_training
     )
     assert out.strip() == "EACCES"
 
-    dirs = _run_init_container(docs, node_dirs)
+    dirs, out = _run_init_container(docs, node_dirs)
+    assert "warning" not in out  # this file system has POSIX ACLs
     spool, logs = dirs["spool"], dirs["training-logs"]
     for d in (spool, logs):
         st = d.stat()
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (cuid, cgid, 0o2775), d
     # running it again (a pod restart) succeeds and changes nothing
-    assert _run_init_container(docs, node_dirs) == dirs
+    assert _run_init_container(docs, node_dirs)[0] == dirs
     assert [(d.stat().st_uid, stat.S_IMODE(d.stat().st_mode)) for d in (spool, logs)] == [(cuid, 0o2775)] * 2
 
     # the collector: its own state under the spool, created, read and deleted
@@ -559,3 +571,31 @@ def test_the_docs_overlay_example_renders_and_validates(tmp_path):
     }
     assert _one(docs, "PodMonitor")["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert _one(docs, "ServiceAccount", "ranklens-recovery")
+
+
+def test_the_init_container_fails_the_pod_when_the_spool_is_not_ready(renders, node_dirs):
+    """Without the spool group (runAsGroup) chmod drops the setgid bit: the command says so and
+    exits 1, so the pod does not start with a spool that would not pass its group down."""
+    _, out = _run_init_container(renders["base"], node_dirs, group=0, rc=1)
+    assert "not 65532:65532 2775" in out and "runAsGroup: 65532" in out
+
+
+def test_prepare_dirs_without_posix_acls_keeps_owner_group_and_mode_and_warns(node_dirs, monkeypatch):
+    script = runpy.run_path(str(K8S / "base" / "prepare_dirs.py"))
+
+    def failing(code: int) -> Any:
+        def setxattr(*args: Any) -> None:
+            raise OSError(code, os.strerror(code))
+
+        return setxattr
+
+    monkeypatch.setattr(os, "setxattr", failing(errno.EOPNOTSUPP))
+    d = node_dirs / "spool"
+    (warning,) = script["prepare"](str(d), COLLECTOR_UID, COLLECTOR_UID)
+    assert "no POSIX ACLs" in warning and "umask 0002" in warning
+    st = d.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (COLLECTOR_UID, COLLECTOR_UID, 0o2775)
+    # another error is not taken for a missing feature
+    monkeypatch.setattr(os, "setxattr", failing(errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        script["prepare"](str(d), COLLECTOR_UID, COLLECTOR_UID)
