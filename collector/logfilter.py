@@ -24,7 +24,10 @@ The same code path serves the collector's tailer and ``ranklens logs classify``
 from __future__ import annotations
 
 import calendar
+import functools
+import os
 import re
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ranklens.collector._scan import Scanner, make_scanner
+from ranklens.collector._scan import DEFAULT_CACHE, Scanner, make_scanner
 from ranklens.collector.rules import Action, LogRule, RuleSet, load_rules
 
 __all__ = [
@@ -56,6 +59,10 @@ MAX_CONTEXT_CHARS = 1000  # per context line
 MAX_GROUPS = 1024  # distinct events held for collapsing before the oldest is released
 MAX_TRAILER_LINES = 200
 MAX_MESSAGE_LINES = 3  # lines of the same class after a traceback taken as more of its exception's text
+# From this much new data on, the lines are counted while the engine searches them (on a thread of
+# its own: Hyperscan lets go of the GIL), not after: 128 MB take ~0.09 s to search and ~0.04 s to
+# count (issue 18). A live tail's few kilobytes are searched and counted in line.
+PARALLEL_SCAN_BYTES = 1 << 20
 
 # A prefix that torchrun / pdsh / DeepSpeed / mpirun put before every line of a rank's output
 # (``host: ``, ``[1,5]<stderr>:``, ``[default3]:``, ``[rank3]:``, ``[default3]:[rank3]: ``).
@@ -184,12 +191,22 @@ class LogFilter:
     Args:
         rules: the rule set (default: the built-in rules).
         engine: ``auto`` (fastest installed), ``hyperscan``, ``re2`` or ``re``.
+        cache_dir: where compiled Hyperscan databases are cached (default: the user's cache
+            directory, ``$XDG_CACHE_HOME/ranklens/hyperscan``; None: not cached).
     """
 
-    def __init__(self, rules: RuleSet | None = None, *, engine: str = "auto") -> None:
+    def __init__(
+        self,
+        rules: RuleSet | None = None,
+        *,
+        engine: str = "auto",
+        cache_dir: str | os.PathLike[str] | None = DEFAULT_CACHE,
+    ) -> None:
         self.rules = rules or RuleSet.builtin()
         self._rules: tuple[LogRule, ...] = self.rules.rules
-        self.scanner: Scanner = make_scanner([(r.pattern, r.ignore_case) for r in self._rules], engine)
+        self.scanner: Scanner = make_scanner(
+            [(r.pattern, r.ignore_case) for r in self._rules], engine, cache_dir=cache_dir
+        )
         self.engine = self.scanner.name
         # candidate rule indexes are tried best first: priority, then rule order
         self._order = sorted(range(len(self._rules)), key=lambda i: (-self._rules[i].priority, i))
@@ -312,12 +329,39 @@ class StreamFilter:
         if limit <= start:
             self._pending = bytes(work[start:valid])
             return
-        cands = self._lf.scanner.candidates(work, start, limit)
-        end, n_lines = self._extract(work, start, limit, cands, idle, now_ns)
+        cands, lines = self._scan(work, start, limit)
+        end, n_lines = self._extract(work, start, limit, cands, idle, now_ns, lines)
         st.lines_read += n_lines
         st.bytes_read += end - start
         self._pending = bytes(work[end:valid])
         self._ctx = self._context_tail(work, end)
+
+    def _scan(self, work: Any, start: int, limit: int) -> tuple[dict[int, Any], _Newlines | None]:
+        """The candidate lines of ``work[start:limit]`` and, for a big range, its newline index,
+        built while the engine searches (the two run at once where the engine releases the GIL)."""
+        scanner = self._lf.scanner
+        if limit - start < PARALLEL_SCAN_BYTES or not getattr(scanner, "releases_gil", False):
+            return scanner.candidates(work, start, limit), None
+        out: list[Any] = []
+
+        def search() -> None:
+            try:
+                out.append(scanner.candidates(work, start, limit))
+            except BaseException as e:  # handed to the caller below
+                out.append(e)
+
+        t = threading.Thread(target=search, name="ranklens-log-search", daemon=True)
+        try:
+            t.start()
+        except RuntimeError:  # no thread to be had: search here
+            return scanner.candidates(work, start, limit), None
+        try:
+            lines = _Newlines(work, start, limit)
+        finally:
+            t.join()
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        return out[0], lines
 
     def flush(self) -> list[LogEvent]:
         """All events so far, repeats collapsed, in order of first occurrence."""
@@ -380,10 +424,18 @@ class StreamFilter:
         return tuple(out)
 
     def _extract(
-        self, work: Any, start: int, limit: int, cands: dict[int, Any], idle: bool, now_ns: int
+        self,
+        work: Any,
+        start: int,
+        limit: int,
+        cands: dict[int, Any],
+        idle: bool,
+        now_ns: int,
+        lines: _Newlines | None = None,
     ) -> tuple[int, int]:
         """Turn candidate lines into events; return where processing stopped (a deferral point when
         a traceback is still being written) and the number of lines before that point."""
+        count = lines.count if lines is not None else functools.partial(work.count, b"\n")
         lf = self._lf
         stats = self.stats
         cache = self._class_cache
@@ -409,7 +461,7 @@ class StreamFilter:
                 stats.lines_dropped_by_rule += 1
                 continue
             ext = self._extent(work, ls, le, limit, rule, cands, idle)
-            line_no += work.count(b"\n", line_pos, ls)
+            line_no += count(line_pos, ls)
             line_pos = ls
             if ext is None:  # a traceback or trailer still being written: wait for more
                 return ls, line_no - self.stats.lines_read
@@ -446,7 +498,7 @@ class StreamFilter:
                 ),
                 key,
             )
-        return limit, line_no - self.stats.lines_read + work.count(b"\n", line_pos, limit)
+        return limit, line_no - self.stats.lines_read + count(line_pos, limit)
 
     def _extent(
         self, work: Any, ls: int, le: int, limit: int, rule: LogRule, cands: dict[int, Any], idle: bool
@@ -600,6 +652,36 @@ class StreamFilter:
         return int(m.group(1)) if m else -1
 
 
+class _Newlines:
+    """The newlines of ``work[start:limit]`` counted once, by 64 KiB block: :meth:`count` of any
+    span then reads at most two partial blocks."""
+
+    BLOCK = 1 << 16
+    __slots__ = ("_prefix", "_start", "_work")
+
+    def __init__(self, work: Any, start: int, limit: int) -> None:
+        b = self.BLOCK
+        count = work.count
+        prefix = [0]  # prefix[k]: newlines in work[start : start + k * BLOCK]
+        acc = 0
+        for s in range(start, limit, b):
+            acc += count(b"\n", s, min(s + b, limit))
+            prefix.append(acc)
+        self._work, self._start, self._prefix = work, start, prefix
+
+    def count(self, a: int, b: int) -> int:
+        """Newlines in ``work[a:b]`` (``start <= a <= b <= limit``)."""
+        blk, s0 = self.BLOCK, self._start
+        ia = -((s0 - a) // blk)  # the first block boundary at or after a
+        ib = (b - s0) // blk  # the last one at or before b
+        if ia >= ib:
+            return int(self._work.count(b"\n", a, b))
+        ba, bb = s0 + ia * blk, s0 + ib * blk
+        return int(
+            self._work.count(b"\n", a, ba) + self._prefix[ib] - self._prefix[ia] + self._work.count(b"\n", bb, b)
+        )
+
+
 def _decode(b: bytes) -> str:
     return b.decode("utf-8", "replace")
 
@@ -724,7 +806,7 @@ def classify_file(
     rules: RuleSet | None = None,
     *,
     engine: str = "auto",
-    chunk_bytes: int = 4 << 20,
+    chunk_bytes: int = 16 << 20,
     stats: FilterStats | None = None,
 ) -> Iterator[LogEvent]:
     """Run the source filter over one file and yield its events (the collector's code path).

@@ -1,0 +1,187 @@
+"""What makes a one-shot ``ranklens logs classify`` fast (issue 18) without changing one result:
+the cached Hyperscan database (used only when it is exactly the one asked for), the lines counted
+while the engine searches, and the light import path."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ranklens.collector import _hs_cache, logfilter
+from ranklens.collector.logfilter import FilterStats, LogFilter, _Newlines, classify_file
+from ranklens.collector.rules import LogRule, RuleSet
+from ranklens.errors import ConfigError
+
+DATA = Path(__file__).parent.parent / "data" / "logs" / "real_log_lines.jsonl"
+LINES = [json.loads(line)["line"] for line in DATA.read_text().splitlines()]
+BENIGN = "iteration {} | lm loss: 2.5E+00 | number of nan iterations:   0 |"
+MIXED = ("\n".join(f"{BENIGN.format(i)}\n{x}" for i, x in enumerate(LINES)) + "\n").encode()
+
+
+def _events(lf: LogFilter, data: bytes = MIXED) -> list[tuple]:
+    sf = lf.stream(source="s")
+    sf.feed(data, now_ns=1, eof=True)
+    return [(e.klass, e.rule, e.line_no, e.line_count, e.repeat_count, e.message, e.context) for e in sf.flush()]
+
+
+@pytest.fixture
+def hs():
+    return pytest.importorskip("hyperscan")
+
+
+def _cache_files(d: Path) -> list[Path]:
+    return sorted(d.glob("*.hsdb"))
+
+
+def test_a_cached_database_is_loaded_and_classifies_the_same(hs, tmp_path):
+    uncached = _events(LogFilter(engine="hyperscan", cache_dir=None))
+    first = LogFilter(engine="hyperscan", cache_dir=tmp_path)
+    assert first.scanner.from_cache is False  # type: ignore[attr-defined]
+    (f,) = _cache_files(tmp_path)
+    assert f.stat().st_mode & 0o777 == 0o600
+    second = LogFilter(engine="hyperscan", cache_dir=tmp_path)
+    assert second.scanner.from_cache is True  # type: ignore[attr-defined]
+    assert _events(first) == _events(second) == uncached
+    assert len(uncached) > 100
+
+
+def test_another_rule_set_gets_its_own_entry(hs, tmp_path):
+    LogFilter(engine="hyperscan", cache_dir=tmp_path)
+    rs = RuleSet.builtin().with_rules([LogRule("app_fatal", "app", "FATAL: ")])
+    lf = LogFilter(rs, engine="hyperscan", cache_dir=tmp_path)
+    assert lf.scanner.from_cache is False  # type: ignore[attr-defined]
+    assert len(_cache_files(tmp_path)) == 2
+    (ev,) = _events(lf, b"ok\nFATAL: disk on fire\n")
+    assert ev[0] == "app"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncate", "flip_payload", "garbage", "empty", "other_key"],
+)
+def test_a_damaged_or_foreign_cache_file_means_compile_never_a_wrong_result(hs, tmp_path, damage):
+    LogFilter(engine="hyperscan", cache_dir=tmp_path)
+    (f,) = _cache_files(tmp_path)
+    raw = f.read_bytes()
+    if damage == "truncate":
+        f.write_bytes(raw[: len(raw) // 2])
+    elif damage == "flip_payload":
+        f.write_bytes(raw[:-100] + bytes(b ^ 0xFF for b in raw[-100:]))
+    elif damage == "garbage":
+        f.write_bytes(os.urandom(len(raw)))
+    elif damage == "empty":
+        f.write_bytes(b"")
+    else:  # a valid file of another rule set under this one's name (a checksum collision)
+        other = tmp_path / "other"
+        LogFilter(RuleSet((LogRule("only", "x", "zzz"),)), engine="hyperscan", cache_dir=other)
+        (g,) = _cache_files(other)
+        f.write_bytes(g.read_bytes())
+    lf = LogFilter(engine="hyperscan", cache_dir=tmp_path)
+    assert lf.scanner.from_cache is False  # type: ignore[attr-defined]
+    assert _events(lf) == _events(LogFilter(engine="hyperscan", cache_dir=None))
+    # and the entry was written again, whole
+    assert LogFilter(engine="hyperscan", cache_dir=tmp_path).scanner.from_cache is True  # type: ignore[attr-defined]
+
+
+def test_another_cpu_or_hyperscan_build_misses(hs, tmp_path, monkeypatch):
+    LogFilter(engine="hyperscan", cache_dir=tmp_path)
+    monkeypatch.setattr(_hs_cache, "_cpu_id", lambda: b"flags : none")
+    assert LogFilter(engine="hyperscan", cache_dir=tmp_path).scanner.from_cache is False  # type: ignore[attr-defined]
+    monkeypatch.setattr(_hs_cache, "_binding_id", lambda _hs: b"hyperscan 99")
+    assert LogFilter(engine="hyperscan", cache_dir=tmp_path).scanner.from_cache is False  # type: ignore[attr-defined]
+    assert len(_cache_files(tmp_path)) == 3
+
+
+def test_an_unwritable_cache_directory_is_not_an_error(hs, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    lf = LogFilter(engine="hyperscan", cache_dir=blocker / "hs")
+    assert lf.scanner.from_cache is False  # type: ignore[attr-defined]
+    assert _events(lf) == _events(LogFilter(engine="hyperscan", cache_dir=None))
+    assert not list(tmp_path.glob("**/.*.tmp"))
+
+
+def test_the_default_cache_directory_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert _hs_cache.default_cache_dir() == tmp_path / "ranklens" / "hyperscan"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec: relative values are invalid
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _hs_cache.default_cache_dir() == tmp_path / "home" / ".cache" / "ranklens" / "hyperscan"
+
+
+def test_newline_index_counts_every_span_like_bytes_count():
+    rng = random.Random(3)
+    data = bytes(rng.choice(b"ab\n") for _ in range(300_000))
+    for start, limit in ((0, len(data)), (7, len(data) - 5), (1000, 1000 + 3 * _Newlines.BLOCK)):
+        idx = _Newlines(data, start, limit)
+        spans = [(start, limit), (start, start), (limit, limit)]
+        spans += [tuple(sorted(rng.randrange(start, limit + 1) for _ in range(2))) for _ in range(500)]
+        for a, b in spans:
+            assert idx.count(a, b) == data.count(b"\n", a, b), (start, limit, a, b)
+
+
+def test_counting_while_searching_changes_nothing(hs, tmp_path, monkeypatch):
+    # a file of several chunks, each big enough for the parallel path, with events and
+    # tracebacks across chunk boundaries
+    rng = random.Random(5)
+    block = MIXED + b'[rank1]: Traceback (most recent call last):\n[rank1]:   File "x.py", line 1\n'
+    block += b"[rank1]: RuntimeError: CUDA error: an illegal memory access was encountered\n"
+    parts = []
+    for _ in range(40):
+        parts.append(block)
+        parts.append(b"".join(b"benign %d\n" % rng.randrange(10**6) for _ in range(rng.randrange(1, 30000))))
+    p = tmp_path / "big.log"
+    p.write_bytes(b"".join(parts))
+    chunk = logfilter.PARALLEL_SCAN_BYTES * 2
+
+    def run() -> tuple[list[tuple], FilterStats]:
+        st = FilterStats()
+        evs = [e.to_json() for e in classify_file(p, engine="hyperscan", chunk_bytes=chunk, stats=st)]
+        for e in evs:  # a line without a time of its own takes the time it was read
+            e.pop("ts_ns")
+        return evs, st
+
+    indexed = []
+    real_init = _Newlines.__init__
+
+    def spy(self: _Newlines, *a: object) -> None:
+        indexed.append(a[1:])
+        real_init(self, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_Newlines, "__init__", spy)
+    fast, fast_st = run()
+    n_indexed = len(indexed)
+    assert n_indexed >= 3  # the chunks were counted while they were searched
+    monkeypatch.setattr(logfilter, "PARALLEL_SCAN_BYTES", 1 << 62)
+    slow, slow_st = run()
+    assert len(indexed) == n_indexed  # ... and in line in the serial run
+    assert fast == slow and fast_st == slow_st
+    assert fast_st.lines_read == p.read_bytes().count(b"\n") and fast_st.events > 40
+
+
+def test_a_user_rule_is_still_checked_when_it_is_made():
+    with pytest.raises(ConfigError, match="not a valid regular expression"):
+        LogRule("bad", "x", "(unclosed")
+    with pytest.raises(ConfigError, match="inline flag"):
+        LogRule("flag", "x", "(?i)nccl")
+
+
+def test_logs_classify_imports_no_store_or_dataframe_code(tmp_path):
+    p = tmp_path / "r.log"
+    p.write_text("ok\nRuntimeError: CUDA error: an illegal memory access was encountered\n")
+    code = (
+        "import sys\n"
+        "from ranklens.cli import cli\n"
+        f"cli(['logs', 'classify', {str(p)!r}], standalone_mode=False)\n"
+        "heavy = ('numpy', 'pyarrow', 'clickhouse_driver', 'chdb', 'ranklens.store', 'ranklens.collector.shipper')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+    assert "cuda_error" in out.stdout
