@@ -43,7 +43,7 @@ import enum
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -115,7 +115,6 @@ class LogRule:
     ignore_case: bool = False
     action: Action = Action.KEEP
     block: str = ""
-    regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -133,6 +132,10 @@ class LogRule:
             )
         if "\n" in self.pattern or "\\n" in self.pattern:
             raise ConfigError(f"rule {self.name}: patterns are per line; {self.pattern!r} mentions a newline")
+        if not _defer_compile:
+            self._compile()
+
+    def _compile(self) -> re.Pattern[str]:
         try:
             rx = re.compile(self.pattern, re.IGNORECASE if self.ignore_case else 0)
         except re.error as e:
@@ -141,7 +144,14 @@ class LogRule:
             ) from None
         if rx.groupindex:
             raise ConfigError(f"rule {self.name}: named groups are not supported; use (?:...)")
-        object.__setattr__(self, "regex", rx)
+        self.__dict__["_regex"] = rx  # frozen: cached in the instance, as functools.cached_property does
+        return rx
+
+    @property
+    def regex(self) -> re.Pattern[str]:
+        """The pattern compiled by Python ``re`` (what confirms a candidate line)."""
+        rx = self.__dict__.get("_regex")
+        return rx if rx is not None else self._compile()
 
     @property
     def generic(self) -> bool:
@@ -172,6 +182,10 @@ def _r(
 # line is nccl_error (NCCL printed it) although it names a CUDA error; "CUDA error: out of memory"
 # is cuda_oom, not cuda_error; a watchdog line is classified by the cause it names; a c10d store
 # failure met while setting up NCCL is network.
+# The built-in patterns are compiled by Python ``re`` when a line first needs one, not at import
+# (49 compiles are ~6 ms of a one-shot `ranklens logs classify`, issue 18); a user's rule is
+# compiled, and so checked, when it is made. tests/collector/test_logfilter.py compiles them all.
+_defer_compile = True
 BUILTIN_RULES: tuple[LogRule, ...] = (
     # --- GPU / kernel driver (dmesg) -------------------------------------------------------
     _r(
@@ -487,6 +501,7 @@ BUILTIN_RULES: tuple[LogRule, ...] = (
     _r("cpp_exception", "traceback", r"terminate called after throwing an instance of", "error", 41),
     _r("c10_exception", "traceback", r"Exception raised from .* \(most recent call first\)", "error", 10),
 )
+_defer_compile = False
 
 
 @dataclass(frozen=True)
