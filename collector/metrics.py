@@ -102,9 +102,10 @@ class _GpuCollector(Collector):
             _add(g_temp, lv, s["temp_c"])
             _add(g_clk, [*lv, "sm"], s["sm_clock_mhz"] * 1e6)
             _add(g_clk, [*lv, "memory"], s["mem_clock_mhz"] * 1e6)
-            bits = int(s["throttle_reasons"])
-            for reason, bit in CLOCKS_EVENT_REASONS:
-                g_thr.add_metric([*lv, reason], 1.0 if bits & bit else 0.0)
+            if not x.get("clocks_event_reasons_unknown"):  # a GPU that reports no reasons exports none
+                bits = int(s["throttle_reasons"])
+                for reason, bit in CLOCKS_EVENT_REASONS:
+                    g_thr.add_metric([*lv, reason], 1.0 if bits & bit else 0.0)
             _add(c_ecc, [*lv, "corrected"], s["ecc_corrected"], int_unknown=True)
             _add(c_ecc, [*lv, "uncorrected"], s["ecc_uncorrected"], int_unknown=True)
             _add(c_replay, lv, s["pcie_replay"], int_unknown=True)

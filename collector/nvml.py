@@ -307,6 +307,8 @@ class GpuSampler:
         ):
             ecc[key] = self._get(g, key, nv.nvmlDeviceGetTotalEccErrors, et, ct)
         extra: dict[str, float] = {}
+        if reasons is None:  # the row's column stores 0; /metrics leaves the reasons out instead
+            extra["clocks_event_reasons_unknown"] = 1.0
         for key, counter in (
             ("pcie_tx_bytes_per_second", nv.NVML_PCIE_UTIL_TX_BYTES),
             ("pcie_rx_bytes_per_second", nv.NVML_PCIE_UTIL_RX_BYTES),

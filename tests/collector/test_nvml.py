@@ -161,3 +161,21 @@ def test_throughput_and_lifetime_health_counters_are_columns():
     assert (row["retired_pages_sbe"], row["retired_pages_dbe"]) == (2, 1)
     assert (row["nvlink_tx_bytes_per_s"], row["nvlink_rx_bytes_per_s"]) == (2_000_000 * 1024.0, 1_000_000 * 1024.0)
     assert to_arrow("gpu_samples", [row]).num_rows == 1
+
+
+def test_a_gpu_reporting_no_clocks_event_reasons_exports_none_of_them():
+    from prometheus_client import generate_latest
+
+    from ranklens.collector.metrics import CollectorMetrics
+
+    fake = fake_nvml.fake_nvml(2)
+    fake.gpus[0].throttle_reasons, fake.gpus[1].throttle_reasons = None, 0x40  # gpu 0: not supported
+    s = _sampler(fake)
+    r = s.sample()
+    m = CollectorMetrics()
+    m.observe_gpus(r.samples, r.extras)
+    lines = [ln for ln in generate_latest(m.registry).decode().splitlines() if ln.startswith("ranklens_gpu_clocks")]
+    assert r.samples[0]["throttle_reasons"] == 0  # the stored row cannot say unknown
+    assert lines and all('gpu="1"' in ln for ln in lines)  # /metrics does: no series, not nine zeros
+    assert any('reason="hw_thermal_slowdown"' in ln and ln.endswith(" 1.0") for ln in lines)
+    s.close()
