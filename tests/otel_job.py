@@ -22,7 +22,7 @@ def main(steps: int) -> None:
     for n in range(steps):
         with rlt.step(n):
             with rlt.phase("forward"):
-                time.sleep(0.05 if rank == 1 else 0.0)  # rank 0 waits for rank 1 at the all-reduce
+                time.sleep(0.2 if rank == 1 else 0.0)  # rank 0 waits for rank 1 at the all-reduce
             with rlt.phase("backward"):
                 dist.all_reduce(t)
         dist.barrier()

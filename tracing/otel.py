@@ -104,8 +104,9 @@ class StepSpans:
         self._timeout_s = shutdown_timeout_s
         self._closing = False
         self._flusher: threading.Thread | None = None
+        self._exited = False
         self._pid = os.getpid()
-        atexit.register(self._at_exit)
+        _at_exit_once(self)
 
     @classmethod
     def create(cls, provider: Any, *, job_id: str, attempt: int, rank: int, world_size: int) -> StepSpans | None:
@@ -212,8 +213,9 @@ class StepSpans:
         """Interpreter exit (after the tracer's own exit hook: atexit runs the later-registered
         first): what is still queued, then the providers flushed and (when built here) shut down,
         all within the shutdown bound. Never raises."""
-        if os.getpid() != self._pid:  # a forked child is not this rank
+        if os.getpid() != self._pid or self._exited:  # a forked child is not this rank
             return
+        self._exited = True
         try:
             deadline = time.monotonic() + self._timeout_s
             if self._flusher is not None:
@@ -228,6 +230,29 @@ class StepSpans:
             )
         except Exception:
             log.debug("ranklens: OpenTelemetry shutdown failed", exc_info=True)
+
+
+# Every live StepSpans is closed at interpreter exit by one hook, registered at the first one (not at
+# import) and run after the tracer's own (atexit runs the later-registered first; init() registers the
+# tracer's after making its StepSpans). Strong references: the tracer lets go of its StepSpans at
+# shutdown, and what it made must still be exported and its providers shut down at exit.
+_LIVE: list[StepSpans] = []
+_hook_lock = threading.Lock()
+_hooked = False
+
+
+def _at_exit_once(spans: StepSpans) -> None:
+    global _hooked
+    with _hook_lock:
+        _LIVE.append(spans)
+        if not _hooked:
+            _hooked = True
+            atexit.register(_close_all)
+
+
+def _close_all() -> None:
+    for spans in list(_LIVE):
+        spans._at_exit()
 
 
 def _histogram(meter: Any, name: str, description: str, buckets: tuple[float, ...]) -> Any:
