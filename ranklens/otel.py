@@ -201,12 +201,43 @@ def meter_provider_from_env(attrs: Mapping[str, Any], *, default_service: str = 
     readers = []
     for name in _exporter_names("OTEL_METRICS_EXPORTER"):
         if name == "console":
-            readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
+            readers.append(PeriodicExportingMetricReader(_parent_only(ConsoleMetricExporter())))
         elif (exporter := _otlp_exporter("metrics")) is not None:
-            readers.append(PeriodicExportingMetricReader(exporter()))
+            readers.append(PeriodicExportingMetricReader(_parent_only(exporter())))
     return MeterProvider(
         metric_readers=readers, resource=resource(attrs, default_service=default_service), shutdown_on_exit=False
     )
+
+
+def _parent_only(exporter: Any) -> Any:
+    """``exporter``, exporting only in the process that made it. The SDK restarts the periodic
+    reader's thread in a forked child (a DataLoader worker), which would export the child's stale
+    copy of the rank's cumulative series, under a new random ``service.instance.id``, every
+    interval for the child's life; the child records nothing, so it exports nothing."""
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+
+    class ParentOnlyMetricExporter(MetricExporter):
+        def __init__(self) -> None:
+            super().__init__(
+                preferred_temporality=exporter._preferred_temporality,
+                preferred_aggregation=exporter._preferred_aggregation,
+            )
+            self.pid = os.getpid()
+            self.inner = exporter
+
+        def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:
+            if os.getpid() != self.pid:
+                return MetricExportResult.SUCCESS
+            return self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return os.getpid() != self.pid or bool(self.inner.force_flush(timeout_millis=timeout_millis))
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            if os.getpid() == self.pid:
+                self.inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+
+    return ParentOnlyMetricExporter()
 
 
 def shutdown_bounded(providers: list[Any], timeout_s: float = SHUTDOWN_TIMEOUT_S, *, own: bool = True) -> bool:

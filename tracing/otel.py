@@ -99,6 +99,7 @@ class StepSpans:
             )
         self._queue: deque[tuple[int, int, int, list[tuple[str, int, int]]]] = deque()
         self._dropped = 0
+        self._dropped_reported = 0
         self._lock = threading.Lock()  # the flush and the exit hook drain the queue
         self._own = own
         self._timeout_s = shutdown_timeout_s
@@ -143,9 +144,10 @@ class StepSpans:
         ``count_drop``. After :meth:`shutdown`, the providers are closed in the background. Never
         raises."""
         try:
-            if self._dropped:
-                n, self._dropped = self._dropped, 0
-                count_drop("spans:queue_full", n)
+            dropped = self._dropped  # only the training thread adds to it
+            if dropped > self._dropped_reported:
+                count_drop("spans:queue_full", dropped - self._dropped_reported)
+                self._dropped_reported = dropped
             if not self._lock.acquire(timeout=self._timeout_s):
                 return
             try:

@@ -239,6 +239,44 @@ def test_shutdown_is_bounded_and_flushes_only_what_it_does_not_own():
     assert shutdown_bounded([released]) is True and released.shut
 
 
+def test_a_forked_child_exports_no_metrics():
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+
+    from ranklens.otel import _parent_only
+
+    class Recorder(MetricExporter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def export(self, metrics_data, timeout_millis=10_000, **kw):
+            self.calls += 1
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis=10_000):
+            return True
+
+        def shutdown(self, timeout_millis=30_000, **kw):
+            pass
+
+    inner = Recorder()
+    guarded = _parent_only(inner)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say: the SDK's reader thread runs again here
+        os.close(r)
+        guarded.export(None)
+        os.write(w, str(inner.calls).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        child_calls = f.read()
+    os.waitpid(pid, 0)
+    assert child_calls == "0"
+    assert guarded.export(None) == MetricExportResult.SUCCESS and inner.calls == 1
+    assert guarded._preferred_temporality == inner._preferred_temporality
+
+
 class _Receiver(BaseHTTPRequestHandler):
     """An OTLP/HTTP receiver: decodes each POST body with opentelemetry-proto."""
 
