@@ -145,17 +145,27 @@ def _pattern_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(out + r"\Z")
 
 
-def read_dockerignore(text: str) -> list[tuple[bool, re.Pattern[str]]]:
-    """(exception, regex) per rule, in file order."""
+def _rules(text: str) -> list[tuple[bool, str]]:
+    """(exception, pattern) per line, in file order, patterns cleaned as the builder does."""
     rules = []
     for raw in text.splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         exception = line.startswith("!")
-        line = os.path.normpath(line[1:].strip() if exception else line).lstrip("/")
-        rules.append((exception, _pattern_regex(line)))
+        rules.append((exception, os.path.normpath(line[1:].strip() if exception else line).lstrip("/")))
     return rules
+
+
+def read_dockerignore(text: str) -> list[tuple[bool, re.Pattern[str]]]:
+    """(exception, regex) per rule, in file order."""
+    return [(exception, _pattern_regex(pattern)) for exception, pattern in _rules(text)]
+
+
+def _may_reinclude(pattern: str, folder: str) -> bool:
+    """Whether an exception pattern could take back something below an ignored ``folder``."""
+    head = pattern[: len(folder) + 1]
+    return pattern.startswith(folder + "/") or any(c in head for c in "*?[\\")
 
 
 def ignored(rel: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
@@ -173,11 +183,17 @@ def ignored(rel: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
 def context_files(root: Path, dockerignore: str) -> list[str]:
     """The files (relative paths) the build context sends, sorted."""
     rules = read_dockerignore(dockerignore)
+    exceptions = [pattern for exception, pattern in _rules(dockerignore) if exception]
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = os.path.relpath(dirpath, root)
         rel_dir = "" if rel_dir == "." else rel_dir + "/"
-        dirnames.sort()
+        # an ignored folder no exception reaches into is not walked (as the builder skips it)
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if not ignored(rel_dir + d, rules) or any(_may_reinclude(p, rel_dir + d) for p in exceptions)
+        )
         for name in filenames:
             rel = rel_dir + name
             if not ignored(rel, rules):
