@@ -547,8 +547,9 @@ def test_recovery_rbac_grants_cordon_and_pod_eviction_to_its_service_account(ren
         ("nodes", "get"), ("nodes", "list"), ("nodes", "patch"),
         ("pods", "get"), ("pods", "list"), ("pods", "delete"), ("pods/eviction", "create"),
     }  # fmt: skip
-    # the collector does not run as it (it needs no API access)
+    # the collector does not run as it (it needs no API access, and holds no token)
     assert "serviceAccountName" not in _pod(docs)["spec"]
+    assert _pod(docs)["spec"]["automountServiceAccountToken"] is False
 
 
 def test_the_example_training_job_uses_the_spool_the_collector_prepared(renders):
