@@ -440,6 +440,7 @@ def test_the_init_container_makes_the_spool_usable_by_the_collector_and_training
 
     dirs, out = _run_init_container(docs, node_dirs)
     assert "warning" not in out  # this file system has POSIX ACLs
+    assert f"prepare_dirs: {dirs['spool']} ready (65532:65532 2775)" in out  # what docs/kubernetes.md shows
     spool, logs = dirs["spool"], dirs["training-logs"]
     for d in (spool, logs):
         st = d.stat()
