@@ -215,6 +215,19 @@ def test_image_builds_from_the_repository_and_runs_the_collector_offline_as_its_
     )
     argv = replay.resolve(final.last("ENTRYPOINT").exec_form() + final.last("CMD").exec_form(), env)
     assert argv[0] == str(venv / "bin" / "ranklens")
+    # the image is the CLI too: `docker run ranklens/ranklens:0.1.0 version`
+    r = subprocess.run(
+        replay.resolve([*final.last("ENTRYPOINT").exec_form(), "version"], env),
+        env=env,
+        user=uid,
+        group=gid,
+        extra_groups=[],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and PYPROJECT["project"]["version"] in r.stdout, r.stdout + r.stderr
     cfg = _image_config(image_root)
     spec = {
         "argv": argv,
