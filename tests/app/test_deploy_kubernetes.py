@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ import pytest
 import yaml
 
 from ranklens.collector.agent import load_config
+from ranklens.formats.spool import SpoolWriter
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
@@ -423,6 +424,72 @@ def _run_init_container(
     return {m["name"]: host[m["mountPath"]] for m in init["volumeMounts"]}, out
 
 
+def _as_user(uid: int, gid: int, groups: list[int], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a forked child that has become uid:gid with these supplementary groups (a
+    non-root user: no capability left) under the containers' default umask 022; returns its result
+    (JSON), or fails the test with the child's error. A fork rather than a new interpreter: the
+    users need not be able to reach this Python's installation."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            os.close(r)
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+            os.umask(0o022)
+            with open("/proc/self/status") as f:
+                assert "CapEff:\t0000000000000000" in f.read(), "the child kept capabilities"
+            out = {"ok": fn(*args)}
+        except BaseException as e:
+            out = {"error": f"{type(e).__name__}: {e}"}
+        with os.fdopen(w, "w") as f:
+            f.write(json.dumps(out))
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        res = json.loads(f.read() or '{"error": "the child died"}')
+    os.waitpid(pid, 0)
+    assert "ok" in res, f"as {uid}:{gid} {groups}: {res['error']}"
+    return res["ok"]
+
+
+def _try_to_write(path: str) -> str:
+    try:
+        Path(path).write_text("x")
+    except PermissionError:
+        return "EACCES"
+    return "written"
+
+
+def _collector_keeps_state(spool: str) -> None:
+    state = Path(spool) / "_collector" / "node-1" / "state"
+    state.mkdir(parents=True)
+    (state / "tailer.json").write_text("{}")
+    assert (state / "tailer.json").read_text() == "{}"
+    (state / "tailer.json").unlink()
+
+
+def _training_rank_writes(spool: str, logs: str) -> str:
+    """What a rank's tracer does (its own writer: <spool>/<job>/<attempt>/rank-<r>/), and its log."""
+    segment = SpoolWriter.for_rank(spool, "job-7", 0, 3).write("steps", [{"job_id": "job-7", "rank": 3, "step": 1}])
+    log = Path(logs) / "job-7" / "rank-3.log"
+    log.parent.mkdir()
+    log.write_text("step 1\n")
+    return str(segment)
+
+
+def _collector_ships(segment: str, log: str) -> None:
+    """Read the segment and the log; delete the shipped segment and the finished job's directories."""
+    seg = Path(segment)
+    header, row = seg.read_text().splitlines()
+    assert json.loads(header)["table"] == "steps" and json.loads(row)["step"] == 1
+    assert Path(log).read_text() == "step 1\n"
+    seg.unlink()
+    seg.parent.rmdir()
+    seg.parent.parent.rmdir()
+
+
 def test_the_init_container_makes_the_spool_usable_by_the_collector_and_training_pods(renders, node_dirs):
     docs = renders["base"]
     pod = _pod(docs)["spec"]
@@ -430,13 +497,7 @@ def test_the_init_container_makes_the_spool_usable_by_the_collector_and_training
     # before: the collector cannot write the kubelet's root:root 0755 directory (issue 20)
     before = node_dirs / "before"
     before.mkdir(mode=0o755)
-    out = _as(
-        cuid,
-        cgid,
-        [],
-        f"import os\ntry:\n    open({str(before / 'x')!r}, 'w')\nexcept PermissionError:\n    print('EACCES')",
-    )
-    assert out.strip() == "EACCES"
+    assert _as_user(cuid, cgid, [], _try_to_write, str(before / "x")) == "EACCES"
 
     dirs, out = _run_init_container(docs, node_dirs)
     assert "warning" not in out  # this file system has POSIX ACLs
@@ -450,57 +511,14 @@ def test_the_init_container_makes_the_spool_usable_by_the_collector_and_training
     assert [(d.stat().st_uid, stat.S_IMODE(d.stat().st_mode)) for d in (spool, logs)] == [(cuid, 0o2775)] * 2
 
     # the collector: its own state under the spool, created, read and deleted
-    _as(
-        cuid,
-        cgid,
-        [],
-        f"""
-        from pathlib import Path
-        state = Path({str(spool)!r}) / "_collector" / "node-1" / "state"
-        state.mkdir(parents=True)
-        (state / "tailer.json").write_text("{{}}")
-        assert (state / "tailer.json").read_text() == "{{}}"
-        (state / "tailer.json").unlink()
-        """,
-    )
+    _as_user(cuid, cgid, [], _collector_keeps_state, str(spool))
     # a training pod: another user, with the spool group as the documented supplemental group
-    # (supplementalGroups: [65532]), the container's default umask 022; it writes its segments
-    # through the tracer's own writer (which makes <spool>/<job>/<attempt>/rank-<r>/) and a log
-    written = _as(
-        TRAINING_UID,
-        TRAINING_UID,
-        [cgid],
-        f"""
-        from pathlib import Path
-        from ranklens.formats.spool import SpoolWriter
-        w = SpoolWriter.for_rank({str(spool)!r}, "job-7", 0, 3)
-        print(w.write("steps", [{{"job_id": "job-7", "rank": 3, "step": 1}}]))
-        log = Path({str(logs)!r}) / "job-7" / "rank-3.log"
-        log.parent.mkdir()
-        log.write_text("step 1\\n")
-        """,
-    ).strip()
-    segment = Path(written)
+    # (supplementalGroups: [65532]), under the containers' default umask 022
+    segment = Path(_as_user(TRAINING_UID, TRAINING_UID, [cgid], _training_rank_writes, str(spool), str(logs)))
     assert segment.parent == spool / "job-7" / "0" / "rank-3" and segment.stat().st_uid == TRAINING_UID
     assert segment.parent.stat().st_gid == cgid  # the setgid bit passed the group down
-    # the collector reads the segment and the log, deletes the shipped segment, and the empty
-    # directories of the finished job
-    _as(
-        cuid,
-        cgid,
-        [],
-        f"""
-        import json
-        from pathlib import Path
-        seg = Path({written!r})
-        header, row = seg.read_text().splitlines()
-        assert json.loads(header)["table"] == "steps" and json.loads(row)["step"] == 1
-        assert (Path({str(logs)!r}) / "job-7" / "rank-3.log").read_text() == "step 1\\n"
-        seg.unlink()
-        seg.parent.rmdir()
-        seg.parent.parent.rmdir()
-        """,
-    )
+    # the collector reads what the rank wrote and deletes it once shipped
+    _as_user(cuid, cgid, [], _collector_ships, str(segment), str(logs / "job-7" / "rank-3.log"))
     assert not segment.exists()
 
 
