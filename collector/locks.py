@@ -34,7 +34,7 @@ def spool_lock(spool_dir: Path, wait_s: float) -> Iterator[bool]:
         yield True  # nothing to ship, nothing to guard
         return
     try:
-        fd = os.open(spool_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(spool_dir / LOCK_FILE)
     except OSError as e:
         log.warning("ranklens collector: cannot open the spool lock (%s); shipping without it", e)
         yield True
@@ -51,13 +51,23 @@ def hold_collector_lock(spool_dir: str | os.PathLike[str]) -> Iterator[bool]:
     ship lock and journal keep two shippers from sending anything twice)."""
     try:
         Path(spool_dir).mkdir(parents=True, exist_ok=True)
-        fd = os.open(Path(spool_dir) / COLLECTOR_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(Path(spool_dir) / COLLECTOR_LOCK)
     except OSError as e:
         log.warning("ranklens collector: cannot open %s (%s)", Path(spool_dir) / COLLECTOR_LOCK, e)
         yield False
         return
     with _flock(fd, 0.0, OSError) as held:  # any failure to take it: run as if another held it
         yield held
+
+
+def _open_lock(path: Path) -> int:
+    """Open (creating) a lock file; one that another user created, which this one may not write,
+    is opened read-only: ``flock`` needs no write access (a training pod in the collector's group
+    sees the collector's ``.collector.lock`` that way)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError:
+        return os.open(path, os.O_RDONLY)
 
 
 @contextlib.contextmanager

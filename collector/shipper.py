@@ -151,6 +151,7 @@ class Shipper:
         self.totals: dict[str, int] = {}
         self._observed: set[str] = set()  # segments already shown to on_segment
         self.in_doubt: set[str] = self._journal.load(self._all_segments)
+        self._undeletable_logged: set[str] = set()  # segments stored but not deletable, warned about once
         self._last_budget_check = -1e18
         # the budget may be held from another thread while a pass runs (Agent's budget loop):
         # it never evicts what the pass holds in memory
@@ -239,6 +240,16 @@ class Shipper:
                 "ranklens collector: %d segment(s) another shipper of this spool sent without deleting "
                 "(killed?); the store is asked before sending them",
                 len(new),
+            )
+
+    def _undeletable(self, rel: str, e: OSError) -> None:
+        if rel not in self._undeletable_logged:
+            self._undeletable_logged.add(rel)
+            log.warning(
+                "ranklens collector: %s is stored but cannot be deleted (%s); it stays in the spool, "
+                "in doubt (looked up, never sent again): check the spool's permissions",
+                self.spool_dir / rel,
+                e,
             )
 
     def _forget(self, rel: str) -> None:
@@ -393,6 +404,12 @@ class Shipper:
                 s.path.unlink()
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                # stored, but this user may not delete it (a spool whose permissions keep the
+                # collector out): it stays in doubt, so a later pass looks it up (never sends it
+                # again) and retries the delete
+                self._undeletable(s.rel, e)
+                continue
             self._forget(s.rel)
         result.segments += len(done)
 

@@ -307,3 +307,53 @@ def test_ship_loop_close_is_bounded_while_the_store_hangs(tmp_path, embedded_sto
         assert time.monotonic() - t0 < 5
     finally:
         release.set()
+
+
+def test_a_stored_segment_that_cannot_be_deleted_is_never_sent_twice(tmp_path, store, monkeypatch, caplog):
+    """A spool whose permissions keep the collector from deleting (no ACLs, a training umask):
+    the rows are stored once, the segment stays in doubt, and goes once deleting works again."""
+    import pathlib
+
+    SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(5))
+    real_unlink = pathlib.Path.unlink
+
+    def refused(self, missing_ok=False):
+        if self.suffix != ".lock" and "spool" in self.parts and "_collector" not in self.parts:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", refused)
+    sh = Shipper(tmp_path / "spool", store)
+    r = sh.ship_once()
+    assert r.ok and r.rows == {"collectives": 5} and len(sh.pending()) == 1 and sh.in_doubt
+    assert "cannot be deleted" in caplog.text
+    r = sh.ship_once()  # looked up, not sent again
+    assert r.ok and r.already_stored == 1 and r.rows == {} and len(sh.pending()) == 1
+    monkeypatch.setattr(pathlib.Path, "unlink", real_unlink)
+    r = sh.ship_once()
+    assert r.ok and r.already_stored == 1 and sh.pending() == [] and not sh.in_doubt
+    assert _seqs(store) == list(range(5))
+
+
+def test_a_lock_file_another_user_owns_is_still_a_lock(tmp_path, monkeypatch):
+    """A training pod (another uid, in the collector's group) cannot open the collector's 0644 lock
+    for writing; it opens it read-only, which flock needs no more than, and sees it held."""
+    import os
+
+    from ranklens.collector.locks import COLLECTOR_LOCK, hold_collector_lock
+
+    spool = tmp_path / "spool"
+    with hold_collector_lock(spool) as held:
+        assert held
+        real_open = os.open
+
+        def as_other_user(path, flags, *a):
+            if str(path).endswith(COLLECTOR_LOCK) and flags & (os.O_RDWR | os.O_WRONLY):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, flags, *a)
+
+        monkeypatch.setattr(os, "open", as_other_user)
+        with hold_collector_lock(spool) as second:
+            assert second is False  # held by the first, seen through the read-only descriptor
+    with hold_collector_lock(spool) as third:
+        assert third  # free again, taken read-only
