@@ -280,10 +280,13 @@ def test_a_forked_child_exports_no_metrics():
 class _Receiver(BaseHTTPRequestHandler):
     """An OTLP/HTTP receiver: decodes each POST body with opentelemetry-proto."""
 
-    got: dict[str, list[Any]]
-
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
+        stall = self.server.stall  # type: ignore[attr-defined]
+        if stall is not None:  # an endpoint that takes the request and never answers
+            self.server.stalled.set()  # type: ignore[attr-defined]
+            stall.wait()
+            return
         if self.headers.get("Content-Encoding") == "gzip":
             body = gzip.decompress(body)
         if self.path == "/v1/metrics":
@@ -310,12 +313,17 @@ def _value(v: Any) -> Any:
     return getattr(v, v.WhichOneof("value"))
 
 
-@pytest.mark.e2e
-def test_a_real_job_exports_per_rank_metrics_and_spans_over_otlp_at_exit(tmp_path):
+def _receiver(stall: threading.Event | None = None) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
     server.got = {}  # type: ignore[attr-defined]
+    server.stall = stall  # type: ignore[attr-defined]
+    server.stalled = threading.Event()  # type: ignore[attr-defined]
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    steps = 4
+    return server
+
+
+def _run_job(tmp_path: Path, server: ThreadingHTTPServer, steps: int) -> Any:
+    """The 2-rank job under ``ranklens run``, exporting spans and metrics to ``server``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(
         OMP_NUM_THREADS="1",
@@ -327,9 +335,16 @@ def test_a_real_job_exports_per_rank_metrics_and_spans_over_otlp_at_exit(tmp_pat
         OTEL_BSP_SCHEDULE_DELAY="600000",
     )
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", str(ROOT / "tests" / "otel_job.py"), str(steps)]
+    return ranklens_run(f"embedded://{tmp_path}/store", tmp_path / "spool", cmd, job_id="otel-e2e",
+                        timeout=300, env=env)  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_a_real_job_exports_per_rank_metrics_and_spans_over_otlp_at_exit(tmp_path):
+    server = _receiver()
+    steps = 4
     try:
-        proc = ranklens_run(f"embedded://{tmp_path}/store", tmp_path / "spool", cmd, job_id="otel-e2e",
-                            timeout=300, env=env)  # fmt: skip
+        proc = _run_job(tmp_path, server, steps)
     finally:
         server.shutdown()
         server.server_close()
@@ -389,3 +404,22 @@ def test_a_real_job_exports_per_rank_metrics_and_spans_over_otlp_at_exit(tmp_pat
     ids = {s.span_id for s, _ in step_spans}
     children = sorted(s.name for s, _ in spans if s.parent_span_id in ids)
     assert children == sorted(["backward", "forward"] * steps * 2)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_an_endpoint_that_never_answers_holds_the_exit_no_longer_than_the_bound(tmp_path):
+    """The SDK's own export timeout (10 s) would hold every rank's exit; ranklens waits at most
+    SHUTDOWN_TIMEOUT_S (5 s), says so, and the job ends with its own exit code."""
+    release = threading.Event()
+    server = _receiver(stall=release)
+    try:
+        proc = _run_job(tmp_path, server, 2)
+        stalled = server.stalled.is_set()  # type: ignore[attr-defined]
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert stalled  # the export reached the endpoint and hung there
+    assert "OpenTelemetry export did not finish within" in proc.stderr, proc.stderr[-3000:]
