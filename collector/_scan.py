@@ -81,15 +81,24 @@ class _HyperscanScanner:
             if cache is not None:
                 cache.store(db)
         self._db = db
+        self._scratch: list[Any] = [db.scratch]
 
-    def candidates(self, buf: bytes, start: int, limit: int) -> Candidates:
+    def scratch(self, lane: int) -> Any:
+        """Scratch space for search lane ``lane`` (0 is the database's own): each thread that
+        searches at the same time needs its own."""
+        while len(self._scratch) <= lane:
+            self._scratch.append(self._db.scratch.clone())
+        return self._scratch[lane]
+
+    def candidates(self, buf: bytes, start: int, limit: int, lane: int = 0) -> Candidates:
         hits: list[tuple[int, int]] = []
         append = hits.append
 
         def on_match(rule: int, _from: int, to: int, _flags: int, _ctx: Any) -> None:
             append((rule, to))
 
-        self._db.scan(memoryview(buf)[start:limit], match_event_handler=on_match)  # type: ignore[type-var]
+        view = memoryview(buf)[start:limit]
+        self._db.scan(view, match_event_handler=on_match, scratch=self.scratch(lane))  # type: ignore[type-var]
         out: dict[int, Any] = {}
         rfind = buf.rfind
         for rule, to in hits:

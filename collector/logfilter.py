@@ -63,6 +63,7 @@ MAX_MESSAGE_LINES = 3  # lines of the same class after a traceback taken as more
 # its own: Hyperscan lets go of the GIL), not after: 128 MB take ~0.09 s to search and ~0.04 s to
 # count (issue 18). A live tail's few kilobytes are searched and counted in line.
 PARALLEL_SCAN_BYTES = 1 << 20
+SEARCH_LANES = 2  # threads that search one big range at once (what a 2-core node can give a one-shot run)
 
 # A prefix that torchrun / pdsh / DeepSpeed / mpirun put before every line of a rank's output
 # (``host: ``, ``[1,5]<stderr>:``, ``[default3]:``, ``[rank3]:``, ``[default3]:[rank3]: ``).
@@ -211,6 +212,8 @@ class LogFilter:
         # candidate rule indexes are tried best first: priority, then rule order
         self._order = sorted(range(len(self._rules)), key=lambda i: (-self._rules[i].priority, i))
         self._rank_of = {i: pos for pos, i in enumerate(self._order)}
+        # the processors this process may run on: with one, searching and counting at once only costs
+        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
     def stream(self, *, source: str = "", stream: str = "", rank: int = -1) -> StreamFilter:
         """A filter for one stream (file): it keeps context, partial lines and open tracebacks."""
@@ -287,7 +290,9 @@ class StreamFilter:
         if buf is None:
             buf = self._buf
         if len(buf) < c + size:
-            buf.extend(bytes(c + size - len(buf)))
+            # with room for a carry that grows a little (context, a partial line): one allocation,
+            # not one per read
+            buf.extend(bytes(c + size + (64 << 10) - len(buf)))
         buf[:c] = carry
         n = f.readinto(memoryview(buf)[c : c + size])
         if not n:
@@ -337,31 +342,48 @@ class StreamFilter:
         self._ctx = self._context_tail(work, end)
 
     def _scan(self, work: Any, start: int, limit: int) -> tuple[dict[int, Any], _Newlines | None]:
-        """The candidate lines of ``work[start:limit]`` and, for a big range, its newline index,
-        built while the engine searches (the two run at once where the engine releases the GIL)."""
-        scanner = self._lf.scanner
-        if limit - start < PARALLEL_SCAN_BYTES or not getattr(scanner, "releases_gil", False):
-            return scanner.candidates(work, start, limit), None
-        out: list[Any] = []
+        """The candidate lines of ``work[start:limit]`` and, for a big range, its newline index.
 
-        def search() -> None:
+        Where the engine searches without the GIL (Hyperscan), a big range is searched in
+        :data:`SEARCH_LANES` pieces (split at newlines: a line is one piece's) on threads of their
+        own while this thread counts the lines; the candidates are the same as one search's."""
+        scanner: Any = self._lf.scanner
+        if limit - start < PARALLEL_SCAN_BYTES or not getattr(scanner, "releases_gil", False) or self._lf.cpus < 2:
+            return scanner.candidates(work, start, limit), None
+        cuts = [start]
+        for k in range(1, SEARCH_LANES):
+            c = work.find(b"\n", start + (limit - start) * k // SEARCH_LANES, limit) + 1
+            if cuts[-1] < c < limit:
+                cuts.append(c)
+        cuts.append(limit)
+        out: list[Any] = [None] * (len(cuts) - 1)
+
+        def search(lane: int) -> None:
             try:
-                out.append(scanner.candidates(work, start, limit))
+                out[lane] = scanner.candidates(work, cuts[lane], cuts[lane + 1], lane)
             except BaseException as e:  # handed to the caller below
-                out.append(e)
+                out[lane] = e
 
-        t = threading.Thread(target=search, name="ranklens-log-search", daemon=True)
+        threads = [threading.Thread(target=search, args=(k,), name=f"ranklens-log-search-{k}") for k in range(len(out))]
+        started: list[threading.Thread] = []
         try:
-            t.start()
-        except RuntimeError:  # no thread to be had: search here
-            return scanner.candidates(work, start, limit), None
+            for t in threads:
+                t.start()
+                started.append(t)
+        except RuntimeError:  # no thread to be had: what did not start searches here
+            for k in range(len(started), len(out)):
+                search(k)
         try:
-            lines = _Newlines(work, start, limit)
+            lines = _Newlines(work, start, limit, yield_every=4)
         finally:
-            t.join()
-        if isinstance(out[0], BaseException):
-            raise out[0]
-        return out[0], lines
+            for t in started:
+                t.join()
+        cands: dict[int, Any] = {}
+        for part in out:
+            if isinstance(part, BaseException):
+                raise part
+            cands.update(part)
+        return cands, lines
 
     def flush(self) -> list[LogEvent]:
         """All events so far, repeats collapsed, in order of first occurrence."""
@@ -659,14 +681,18 @@ class _Newlines:
     BLOCK = 1 << 16
     __slots__ = ("_prefix", "_start", "_work")
 
-    def __init__(self, work: Any, start: int, limit: int) -> None:
+    def __init__(self, work: Any, start: int, limit: int, *, yield_every: int = 0) -> None:
         b = self.BLOCK
         count = work.count
         prefix = [0]  # prefix[k]: newlines in work[start : start + k * BLOCK]
         acc = 0
-        for s in range(start, limit, b):
+        for k, s in enumerate(range(start, limit, b), 1):
             acc += count(b"\n", s, min(s + b, limit))
             prefix.append(acc)
+            if yield_every and k % yield_every == 0:
+                # let a search thread that waits for the GIL (to report a match) have it now,
+                # rather than after the interpreter's 5 ms switch interval
+                time.sleep(0)
         self._work, self._start, self._prefix = work, start, prefix
 
     def count(self, a: int, b: int) -> int:

@@ -150,18 +150,22 @@ def test_counting_while_searching_changes_nothing(hs, tmp_path, monkeypatch):
     indexed = []
     real_init = _Newlines.__init__
 
-    def spy(self: _Newlines, *a: object) -> None:
+    def spy(self: _Newlines, *a: object, **kw: object) -> None:
         indexed.append(a[1:])
-        real_init(self, *a)  # type: ignore[arg-type]
+        real_init(self, *a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_Newlines, "__init__", spy)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0}, raising=False)
+    one_cpu, one_cpu_st = run()
+    assert not indexed  # one processor: search, then count, in this thread
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
     fast, fast_st = run()
     n_indexed = len(indexed)
     assert n_indexed >= 3  # the chunks were counted while they were searched
     monkeypatch.setattr(logfilter, "PARALLEL_SCAN_BYTES", 1 << 62)
     slow, slow_st = run()
     assert len(indexed) == n_indexed  # ... and in line in the serial run
-    assert fast == slow and fast_st == slow_st
+    assert fast == slow == one_cpu and fast_st == slow_st == one_cpu_st
     assert fast_st.lines_read == p.read_bytes().count(b"\n") and fast_st.events > 40
 
 
