@@ -13,7 +13,7 @@ The training thread only queues a finished step (a bounded deque; overflow is dr
 as ``spans:queue_full``). Spans and metric points are made from the tracer's periodic flush, on its
 background worker (:meth:`StepSpans.flushed`), with the step's own timestamps; the SDK exports
 them from its own threads (batch span processor, periodic metric reader). Providers built here are
-flushed and shut down at the tracer's shutdown and at interpreter exit, bounded by
+flushed at the tracer's shutdown, and flushed and shut down at interpreter exit, bounded by
 :data:`~ranklens.otel.SHUTDOWN_TIMEOUT_S` (an unreachable endpoint never holds the process longer).
 """
 
@@ -62,8 +62,8 @@ class StepSpans:
         job_id, attempt, rank: this rank's identity (attributes of every span and point).
         meter_provider: a ``MeterProvider`` for ``ranklens.step.duration`` and
             ``ranklens.collective.wait_time`` (None: no metrics).
-        own: the providers were built here: shut them down at close (a provider passed in by
-            the user is only flushed).
+        owned: the providers among these that were built here: shut down at exit (the others,
+            passed in by the user, are only flushed; they are the user's).
         shutdown_timeout_s: the bound on the flush and shutdown at close.
     """
 
@@ -75,7 +75,7 @@ class StepSpans:
         attempt: int,
         rank: int,
         meter_provider: Any = None,
-        own: bool = False,
+        owned: tuple[Any, ...] = (),
         shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
     ) -> None:
         self.provider = provider
@@ -101,7 +101,7 @@ class StepSpans:
         self._dropped = 0
         self._dropped_reported = 0
         self._lock = threading.Lock()  # the flush and the exit hook drain the queue
-        self._own = own
+        self._owned = [p for p in owned if p is not None]
         self._timeout_s = shutdown_timeout_s
         self._closing = False
         self._flusher: threading.Thread | None = None
@@ -115,14 +115,14 @@ class StepSpans:
         configured from the OTEL_* variables, or None when nothing is asked for. Never raises."""
         try:
             want_metrics = metrics_requested()
-            own = provider is None
             if provider is None and not otel_requested() and not want_metrics:
                 return None
             attrs = resource_attributes(job_id, attempt, rank, world_size)
-            if provider is None and otel_requested():
-                provider = provider_from_env(attrs)
+            built = provider_from_env(attrs) if provider is None and otel_requested() else None
             meters = meter_provider_from_env(attrs) if want_metrics else None
-            return cls(provider, job_id=job_id, attempt=attempt, rank=rank, meter_provider=meters, own=own)
+            provider = provider or built
+            owned = (built, meters)
+            return cls(provider, job_id=job_id, attempt=attempt, rank=rank, meter_provider=meters, owned=owned)
         except ImportError:
             log.warning("ranklens: OpenTelemetry asked for, but opentelemetry-sdk is not installed")
         except Exception:
@@ -141,7 +141,7 @@ class StepSpans:
     def flushed(self, rows: Iterable[tuple[str, dict[str, Any]]], count_drop: Callable[[str, int], None]) -> None:
         """The tracer's periodic flush (on its worker): spans and step-time points of the queued
         steps, wait-time points of the collectives among ``rows``; queue overflow goes to
-        ``count_drop``. After :meth:`shutdown`, the providers are closed in the background. Never
+        ``count_drop``. After :meth:`shutdown`, the providers are flushed in the background. Never
         raises."""
         try:
             dropped = self._dropped  # only the training thread adds to it
@@ -157,14 +157,18 @@ class StepSpans:
             finally:
                 self._lock.release()
             if self._closing and self._flusher is None:  # the tracer's final flush: out now, in the background
-                self._flusher = threading.Thread(
+                flusher = threading.Thread(
                     target=shutdown_bounded,
                     args=([self.provider, self.meter_provider], self._timeout_s),
                     kwargs={"own": False},
                     name="ranklens-otel-flush",
                     daemon=True,
                 )
-                self._flusher.start()
+                try:
+                    flusher.start()
+                    self._flusher = flusher
+                except RuntimeError:  # at interpreter exit (Python 3.12+ starts no threads): the exit hook sends it
+                    pass
         except Exception:
             count_drop("spans:error", 1)
             log.debug("ranklens: OpenTelemetry export of a flush failed", exc_info=True)
@@ -211,25 +215,27 @@ class StepSpans:
         Never raises or blocks."""
         self._closing = True
 
-    def _at_exit(self) -> None:
+    def _at_exit(self, deadline: float | None = None) -> None:
         """Interpreter exit (after the tracer's own exit hook: atexit runs the later-registered
         first): what is still queued, then the providers flushed and (when built here) shut down,
-        all within the shutdown bound. Never raises."""
+        all by ``deadline`` (``time.monotonic()``; default: the shutdown bound from now). Never
+        raises."""
         if os.getpid() != self._pid or self._exited:  # a forked child is not this rank
             return
         self._exited = True
         try:
-            deadline = time.monotonic() + self._timeout_s
+            if deadline is None:
+                deadline = time.monotonic() + self._timeout_s
             if self._flusher is not None:
-                self._flusher.join(self._timeout_s)
+                self._flusher.join(max(deadline - time.monotonic(), 0.001))
             if self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.001)):
                 try:
                     self._drain()
                 finally:
                     self._lock.release()
-            shutdown_bounded(
-                [self.provider, self.meter_provider], max(deadline - time.monotonic(), 0.001), own=self._own
-            )
+            yours = [p for p in (self.provider, self.meter_provider) if p is not None and p not in self._owned]
+            shutdown_bounded(yours, max(deadline - time.monotonic(), 0.001), own=False)
+            shutdown_bounded(self._owned, max(deadline - time.monotonic(), 0.001))
         except Exception:
             log.debug("ranklens: OpenTelemetry shutdown failed", exc_info=True)
 
@@ -253,8 +259,9 @@ def _at_exit_once(spans: StepSpans) -> None:
 
 
 def _close_all() -> None:
+    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S  # one bound for them all
     for spans in list(_LIVE):
-        spans._at_exit()
+        spans._at_exit(deadline)
 
 
 def _histogram(meter: Any, name: str, description: str, buckets: tuple[float, ...]) -> Any:

@@ -67,15 +67,19 @@ def test_a_span_per_step_named_train_step_with_phase_children(tmp_path, no_otel_
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    rlt.init(job_id="otel", spool_dir=str(tmp_path), rank=1, world_size=2, patch_distributed=False,
-             otel_provider=provider)  # fmt: skip
+    t = rlt.init(job_id="otel", spool_dir=str(tmp_path), rank=1, world_size=2, patch_distributed=False,
+                 otel_provider=provider)  # fmt: skip
+    assert t is not None and t.spans is not None
     try:
         for i in range(2):
             with rlt.step(i), rlt.phase("forward"), rlt.phase("attention"):
                 pass
     finally:
         rlt.shutdown()  # its final flush makes the spans (the training thread only queued the steps)
-    spans = exporter.get_finished_spans()
+    t.spans._at_exit()  # what interpreter exit does: the user's provider is flushed, not shut down
+    provider.get_tracer("user").start_span("after").end()
+    assert exporter.get_finished_spans()[-1].name == "after"
+    spans = exporter.get_finished_spans()[:-1]
     steps = [s for s in spans if s.name == STEP_SPAN]
     assert STEP_SPAN == "train step"
     assert [s.attributes["ranklens.step"] for s in steps] == [0, 1]
@@ -119,6 +123,7 @@ def test_metrics_alone_from_the_variables_and_bad_values_named(no_otel_env, capl
     assert res["service.instance.id"] == service_instance_id("env", 0, 5) and res["ranklens.world_size"] == 8
     assert "OTEL_METRICS_EXPORTER='prometheus' is not an exporter ranklens knows" in caplog.text
     spans._at_exit()  # what interpreter exit does: flush and shut down what it built, bounded
+    assert spans.meter_provider._shutdown  # built here: shut down
     no_otel_env.setenv("OTEL_METRICS_EXPORTER", "otlp")
     with caplog.at_level("WARNING", logger="ranklens.otel"):
         spans = StepSpans.create(None, job_id="env", attempt=0, rank=5, world_size=8)
