@@ -59,11 +59,11 @@ MAX_CONTEXT_CHARS = 1000  # per context line
 MAX_GROUPS = 1024  # distinct events held for collapsing before the oldest is released
 MAX_TRAILER_LINES = 200
 MAX_MESSAGE_LINES = 3  # lines of the same class after a traceback taken as more of its exception's text
-# From this much new data on, the lines are counted while the engine searches them (on a thread of
-# its own: Hyperscan lets go of the GIL), not after: 128 MB take ~0.09 s to search and ~0.04 s to
-# count (issue 18). A live tail's few kilobytes are searched and counted in line.
+# From this much new data on, a chunk is searched in pieces on SEARCH_LANES threads at once
+# (Hyperscan lets go of the GIL): 128 MB take ~0.09 s to search on one core (issue 18). A live
+# tail's few kilobytes are searched in line.
 PARALLEL_SCAN_BYTES = 1 << 20
-SEARCH_LANES = 2  # threads that search one big range at once (what a 2-core node can give a one-shot run)
+SEARCH_LANES = 2  # what a 2-core node can give a one-shot run; more would crowd a training node
 
 # A prefix that torchrun / pdsh / DeepSpeed / mpirun put before every line of a rank's output
 # (``host: ``, ``[1,5]<stderr>:``, ``[default3]:``, ``[rank3]:``, ``[default3]:[rank3]: ``).
@@ -334,25 +334,28 @@ class StreamFilter:
         if limit <= start:
             self._pending = bytes(work[start:valid])
             return
-        cands, lines = self._scan(work, start, limit)
-        end, n_lines = self._extract(work, start, limit, cands, idle, now_ns, lines)
+        cands = self._scan(work, start, limit)
+        end, n_lines = self._extract(work, start, limit, cands, idle, now_ns)
         st.lines_read += n_lines
         st.bytes_read += end - start
         self._pending = bytes(work[end:valid])
         self._ctx = self._context_tail(work, end)
 
-    def _scan(self, work: Any, start: int, limit: int) -> tuple[dict[int, Any], _Newlines | None]:
-        """The candidate lines of ``work[start:limit]`` and, for a big range, its newline index.
+    def _scan(self, work: Any, start: int, limit: int) -> dict[int, Any]:
+        """The candidate lines of ``work[start:limit]``.
 
-        Where the engine searches without the GIL (Hyperscan), a big range is searched in
-        :data:`SEARCH_LANES` pieces (split at newlines: a line is one piece's) on threads of their
-        own while this thread counts the lines; the candidates are the same as one search's."""
+        Where the engine searches without the GIL (Hyperscan) and a second processor is there, a
+        big range is searched in :data:`SEARCH_LANES` pieces at once (split at newlines: a line is
+        one piece's; each lane has its own scratch space), this thread taking the first: the
+        candidates are those of one search. No thread holds the GIL for long meanwhile, so a
+        lane reporting a match never waits out the interpreter's 5 ms switch interval."""
         scanner: Any = self._lf.scanner
-        if limit - start < PARALLEL_SCAN_BYTES or not getattr(scanner, "releases_gil", False) or self._lf.cpus < 2:
-            return scanner.candidates(work, start, limit), None
+        lanes = min(SEARCH_LANES, self._lf.cpus)
+        if limit - start < PARALLEL_SCAN_BYTES or lanes < 2 or not getattr(scanner, "releases_gil", False):
+            return scanner.candidates(work, start, limit)  # type: ignore[no-any-return]
         cuts = [start]
-        for k in range(1, SEARCH_LANES):
-            c = work.find(b"\n", start + (limit - start) * k // SEARCH_LANES, limit) + 1
+        for k in range(1, lanes):
+            c = work.find(b"\n", start + (limit - start) * k // lanes, limit) + 1
             if cuts[-1] < c < limit:
                 cuts.append(c)
         cuts.append(limit)
@@ -364,17 +367,17 @@ class StreamFilter:
             except BaseException as e:  # handed to the caller below
                 out[lane] = e
 
-        threads = [threading.Thread(target=search, args=(k,), name=f"ranklens-log-search-{k}") for k in range(len(out))]
         started: list[threading.Thread] = []
         try:
-            for t in threads:
+            for k in range(1, len(out)):
+                t = threading.Thread(target=search, args=(k,), name=f"ranklens-log-search-{k}")
                 t.start()
                 started.append(t)
-        except RuntimeError:  # no thread to be had: what did not start searches here
-            for k in range(len(started), len(out)):
-                search(k)
+        except RuntimeError:  # no thread to be had: what did not start is searched here
+            pass
         try:
-            lines = _Newlines(work, start, limit, yield_every=4)
+            for k in [0, *range(len(started) + 1, len(out))]:
+                search(k)
         finally:
             for t in started:
                 t.join()
@@ -383,7 +386,7 @@ class StreamFilter:
             if isinstance(part, BaseException):
                 raise part
             cands.update(part)
-        return cands, lines
+        return cands
 
     def flush(self) -> list[LogEvent]:
         """All events so far, repeats collapsed, in order of first occurrence."""
@@ -453,11 +456,10 @@ class StreamFilter:
         cands: dict[int, Any],
         idle: bool,
         now_ns: int,
-        lines: _Newlines | None = None,
     ) -> tuple[int, int]:
         """Turn candidate lines into events; return where processing stopped (a deferral point when
         a traceback is still being written) and the number of lines before that point."""
-        count = lines.count if lines is not None else functools.partial(work.count, b"\n")
+        count = functools.partial(work.count, b"\n")
         lf = self._lf
         stats = self.stats
         cache = self._class_cache
@@ -672,40 +674,6 @@ class StreamFilter:
             return self.rank
         m = _RANK_PREFIX_RE.match(text) or _RANK_WORD_RE.search(text, 0, 400)
         return int(m.group(1)) if m else -1
-
-
-class _Newlines:
-    """The newlines of ``work[start:limit]`` counted once, by 64 KiB block: :meth:`count` of any
-    span then reads at most two partial blocks."""
-
-    BLOCK = 1 << 16
-    __slots__ = ("_prefix", "_start", "_work")
-
-    def __init__(self, work: Any, start: int, limit: int, *, yield_every: int = 0) -> None:
-        b = self.BLOCK
-        count = work.count
-        prefix = [0]  # prefix[k]: newlines in work[start : start + k * BLOCK]
-        acc = 0
-        for k, s in enumerate(range(start, limit, b), 1):
-            acc += count(b"\n", s, min(s + b, limit))
-            prefix.append(acc)
-            if yield_every and k % yield_every == 0:
-                # let a search thread that waits for the GIL (to report a match) have it now,
-                # rather than after the interpreter's 5 ms switch interval
-                time.sleep(0)
-        self._work, self._start, self._prefix = work, start, prefix
-
-    def count(self, a: int, b: int) -> int:
-        """Newlines in ``work[a:b]`` (``start <= a <= b <= limit``)."""
-        blk, s0 = self.BLOCK, self._start
-        ia = -((s0 - a) // blk)  # the first block boundary at or after a
-        ib = (b - s0) // blk  # the last one at or before b
-        if ia >= ib:
-            return int(self._work.count(b"\n", a, b))
-        ba, bb = s0 + ia * blk, s0 + ib * blk
-        return int(
-            self._work.count(b"\n", a, ba) + self._prefix[ib] - self._prefix[ia] + self._work.count(b"\n", bb, b)
-        )
 
 
 def _decode(b: bytes) -> str:

@@ -1,6 +1,6 @@
 """What makes a one-shot ``ranklens logs classify`` fast (issue 18) without changing one result:
-the cached Hyperscan database (used only when it is exactly the one asked for), the lines counted
-while the engine searches, and the light import path."""
+the cached Hyperscan database (used only when it is exactly the one asked for), a big chunk
+searched in two lanes at once, and the light import path."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ranklens.collector import _hs_cache, logfilter
-from ranklens.collector.logfilter import FilterStats, LogFilter, _Newlines, classify_file
+from ranklens.collector import _hs_cache, _scan, logfilter
+from ranklens.collector.logfilter import FilterStats, LogFilter, classify_file
 from ranklens.collector.rules import LogRule, RuleSet
 from ranklens.errors import ConfigError
 
@@ -115,20 +115,9 @@ def test_the_default_cache_directory_follows_xdg(monkeypatch, tmp_path):
     assert _hs_cache.default_cache_dir() == tmp_path / "home" / ".cache" / "ranklens" / "hyperscan"
 
 
-def test_newline_index_counts_every_span_like_bytes_count():
-    rng = random.Random(3)
-    data = bytes(rng.choice(b"ab\n") for _ in range(300_000))
-    for start, limit in ((0, len(data)), (7, len(data) - 5), (1000, 1000 + 3 * _Newlines.BLOCK)):
-        idx = _Newlines(data, start, limit)
-        spans = [(start, limit), (start, start), (limit, limit)]
-        spans += [tuple(sorted(rng.randrange(start, limit + 1) for _ in range(2))) for _ in range(500)]
-        for a, b in spans:
-            assert idx.count(a, b) == data.count(b"\n", a, b), (start, limit, a, b)
-
-
-def test_counting_while_searching_changes_nothing(hs, tmp_path, monkeypatch):
-    # a file of several chunks, each big enough for the parallel path, with events and
-    # tracebacks across chunk boundaries
+def test_searching_in_lanes_changes_nothing(hs, tmp_path, monkeypatch):
+    # a file of several chunks, each big enough to be searched in two lanes, with events and
+    # tracebacks across chunk and lane boundaries
     rng = random.Random(5)
     block = MIXED + b'[rank1]: Traceback (most recent call last):\n[rank1]:   File "x.py", line 1\n'
     block += b"[rank1]: RuntimeError: CUDA error: an illegal memory access was encountered\n"
@@ -140,33 +129,34 @@ def test_counting_while_searching_changes_nothing(hs, tmp_path, monkeypatch):
     p.write_bytes(b"".join(parts))
     chunk = logfilter.PARALLEL_SCAN_BYTES * 2
 
-    def run() -> tuple[list[tuple], FilterStats]:
+    def run() -> tuple[list[dict], FilterStats]:
         st = FilterStats()
         evs = [e.to_json() for e in classify_file(p, engine="hyperscan", chunk_bytes=chunk, stats=st)]
         for e in evs:  # a line without a time of its own takes the time it was read
             e.pop("ts_ns")
         return evs, st
 
-    indexed = []
-    real_init = _Newlines.__init__
+    lanes: list[int] = []
+    real = _scan._HyperscanScanner.candidates
 
-    def spy(self: _Newlines, *a: object, **kw: object) -> None:
-        indexed.append(a[1:])
-        real_init(self, *a, **kw)  # type: ignore[arg-type]
+    def spy(self: object, buf: bytes, start: int, limit: int, lane: int = 0) -> object:
+        lanes.append(lane)
+        return real(self, buf, start, limit, lane)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_Newlines, "__init__", spy)
+    monkeypatch.setattr(_scan._HyperscanScanner, "candidates", spy)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0}, raising=False)
     one_cpu, one_cpu_st = run()
-    assert not indexed  # one processor: search, then count, in this thread
+    assert set(lanes) == {0}  # one processor: one search at a time
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
-    fast, fast_st = run()
-    n_indexed = len(indexed)
-    assert n_indexed >= 3  # the chunks were counted while they were searched
+    lanes.clear()
+    two, two_st = run()
+    assert lanes.count(1) >= 3  # the chunks were searched in two lanes
     monkeypatch.setattr(logfilter, "PARALLEL_SCAN_BYTES", 1 << 62)
-    slow, slow_st = run()
-    assert len(indexed) == n_indexed  # ... and in line in the serial run
-    assert fast == slow == one_cpu and fast_st == slow_st == one_cpu_st
-    assert fast_st.lines_read == p.read_bytes().count(b"\n") and fast_st.events > 40
+    lanes.clear()
+    one_lane, one_lane_st = run()
+    assert set(lanes) == {0}
+    assert two == one_lane == one_cpu and two_st == one_lane_st == one_cpu_st
+    assert two_st.lines_read == p.read_bytes().count(b"\n") and two_st.events > 40
 
 
 def test_a_user_rule_is_still_checked_when_it_is_made():
