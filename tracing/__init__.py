@@ -141,9 +141,12 @@ def init(
             of a script that marks none (``RANKLENS_AUTOSTEP=0`` turns it off); the script's own
             :func:`step` / :func:`phase` markers win over it. Inferred steps are stored with
             ``source = 'inferred'``.
-        otel_provider: an OpenTelemetry ``TracerProvider`` to emit one span per step (phases as
-            children). Without it, spans are exported only when the standard OTEL_* variables ask
-            for it (``OTEL_TRACES_EXPORTER``, ``OTEL_EXPORTER_OTLP_ENDPOINT``).
+        otel_provider: an OpenTelemetry ``TracerProvider`` to emit a ``train step`` span per step
+            (phases as children; flushed, never shut down, by ranklens). Without it, spans are
+            exported only when the standard OTEL_* variables ask for it (``OTEL_TRACES_EXPORTER``,
+            ``OTEL_EXPORTER_OTLP_ENDPOINT``). Per-rank OTLP metrics (step time, collective wait
+            time) follow ``OTEL_METRICS_EXPORTER`` / the OTLP endpoint variables; see
+            docs/opentelemetry.md.
 
     Returns:
         The tracer, or None when disabled by ``RANKLENS_DISABLE=1`` or when setup failed (the
