@@ -24,6 +24,8 @@ system with an fsync every 8 MiB (the dirty-page and journal pressure under whic
 used to stall behind the ranks' own spool writes). ``--baseline-rev REV`` alternates rounds of
 this tree with rounds of the code at git revision REV (laid out as an installed package and put
 first on PYTHONPATH), and prints both: the before/after of a change, measured side by side.
+Each round also prints the largest gap between two heartbeats of a rank that the store held up
+to the finding (the ranks' tracers write one every 0.5 s): a stall of the heartbeats shows there.
 """
 
 from __future__ import annotations
@@ -59,6 +61,26 @@ class Round:
     latency_s: float | None  # None: no right finding within DETECT_S of the onset
     wrong: list[str] = field(default_factory=list)  # findings of another kind/rank, or before the onset
     note: str = ""
+    hb_gap_s: float | None = None  # the largest gap between two heartbeats of a rank in the store
+
+
+def heartbeat_gap_s(store: str, job: str, until_ns: int, env: dict[str, str], cwd: Path) -> float | None:
+    """The largest gap between consecutive heartbeats of any rank of ``job`` up to ``until_ns``, as
+    the store holds them (`ranklens sql`): what the hang detector saw of the ranks' liveness."""
+    q = (
+        "SELECT max(g) AS gap FROM (SELECT rank, arrayReduce('max', arrayDifference(arraySort(groupArray(ts_ns)))) "
+        f"AS g FROM heartbeats WHERE job_id = '{job}' AND ts_ns <= {int(until_ns)} GROUP BY rank)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "ranklens.cli", "sql", "--store", store, "--json", q],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    rows = json.loads(out.stdout) if out.returncode == 0 else []
+    return float(rows[0]["gap"]) / 1e9 if rows and rows[0]["gap"] is not None else None
 
 
 def baseline_tree(rev: str, into: Path) -> Path:
@@ -176,6 +198,7 @@ def one_round(scenario: str, tree: Path | None, *, interval: float, disk_pressur
         if pressure is not None:
             pressure.__enter__()
         result = Round(None)
+        found_ns = 0
         try:
             start = time.monotonic()
             onset_deadline = None
@@ -200,6 +223,7 @@ def one_round(scenario: str, tree: Path | None, *, interval: float, disk_pressur
                 onset = int(marker.read_text()) if marker.exists() else None
                 if f["kind"] == want and bad in ranks and onset is not None:
                     result.latency_s = (seen_ns - onset) / 1e9
+                    found_ns = seen_ns
                     return result
                 if onset is None or bad not in ranks:  # another kind naming the faulty rank is not wrong
                     result.wrong.append(f"{f['kind']} ranks {ranks}" + (" before the onset" if onset is None else ""))
@@ -222,6 +246,8 @@ def one_round(scenario: str, tree: Path | None, *, interval: float, disk_pressur
             except subprocess.TimeoutExpired:
                 follow.kill()
                 follow.wait()
+            if found_ns:
+                result.hb_gap_s = heartbeat_gap_s(store, job, found_ns, env, tmp)
             if result.latency_s is not None and not result.wrong:
                 subprocess.run(["rm", "-rf", str(tmp)], check=False)
             else:
@@ -260,14 +286,18 @@ def main() -> int:
                 r = one_round(scenario, tree, interval=args.interval, disk_pressure=args.disk_pressure)
                 got[name].append(r)
                 shown = "-" if r.latency_s is None else f"{r.latency_s:.1f} s"
+                if r.hb_gap_s is not None:
+                    shown += f" (largest heartbeat gap {r.hb_gap_s:.2f} s)"
                 extra = f"; wrong findings: {r.wrong}" if r.wrong else ""
                 print(f"  {scenario} round {i + 1} [{name}]: {shown}{extra} {r.note}".rstrip(), flush=True)
         for name, rounds in got.items():
             xs = [r.latency_s for r in rounds if r.latency_s is not None]
             wrong = sum(len(r.wrong) for r in rounds)
+            gaps = [r.hb_gap_s for r in rounds if r.hb_gap_s is not None]
+            gap = f"; largest heartbeat gap {max(gaps):.2f} s" if gaps else ""
             print(
                 f"{scenario}{pressure} [{name}]: onset -> first finding (analyze --follow) {_summary(xs)}; "
-                f"{len(xs)}/{len(rounds)} detected, {wrong} wrong finding(s)",
+                f"{len(xs)}/{len(rounds)} detected, {wrong} wrong finding(s){gap}",
                 flush=True,
             )
     subprocess.run(["rm", "-rf", str(scratch)], check=False)
