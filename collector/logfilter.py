@@ -4,7 +4,8 @@ A :class:`LogFilter` holds a compiled :class:`~ranklens.collector.rules.RuleSet`
 :class:`StreamFilter` (one per file) turns bytes into :class:`LogEvent` records:
 
 - the fast path searches whole buffers for every rule at once (Hyperscan, RE2 or ``re``, see
-  ``_scan.py``) and touches in Python only the few lines that may match;
+  ``_scan.py``; with Hyperscan, a big buffer in two lanes at once) and touches in Python only the
+  few lines that may match;
 - a candidate line is confirmed with Python ``re``; the highest-priority matching rule gives its
   class and severity; a winning ``drop`` rule discards it;
 - a Python traceback is kept whole as one event (chained exceptions and a torchrun
