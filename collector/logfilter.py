@@ -353,7 +353,7 @@ class StreamFilter:
         scanner: Any = self._lf.scanner
         lanes = min(SEARCH_LANES, self._lf.cpus)
         if limit - start < PARALLEL_SCAN_BYTES or lanes < 2 or not getattr(scanner, "releases_gil", False):
-            return scanner.candidates(work, start, limit)  # type: ignore[no-any-return]
+            return scanner.candidates(work, start, limit)
         cuts = [start]
         for k in range(1, lanes):
             c = work.find(b"\n", start + (limit - start) * k // lanes, limit) + 1
