@@ -84,12 +84,16 @@ def test_forked_child_is_not_traced(tmp_path):
             with rlt.step(99):
                 pass
             t.flush()
+            t.beat()  # the heartbeat lane's writer neither: the parent's rank is not the child
             os._exit(0 if not t.enabled else 1)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         rlt.shutdown()
     assert all(s["step"] != 99 for s in _segments(tmp_path, "steps"))
+    # a segment's name carries the pid of the process that wrote it: the parent's only
+    assert list(tmp_path.rglob(f"heartbeats.{os.getpid()}.*.jsonl"))
+    assert not list(tmp_path.rglob(f"*.{pid}.*.jsonl"))
 
 
 def test_disabled_by_env(tmp_path, monkeypatch):
