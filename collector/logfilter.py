@@ -289,6 +289,8 @@ class StreamFilter:
         carry = self._ctx + self._pending
         c = len(carry)
         if buf is None:
+            if not self._buf:  # a fresh buffer: its pages are mapped as the reads fill them
+                self._buf = bytearray(c + size + (64 << 10))
             buf = self._buf
         if len(buf) < c + size:
             # with room for a carry that grows a little (context, a partial line): one allocation,
