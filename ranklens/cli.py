@@ -754,20 +754,15 @@ def logs() -> None:
 def logs_classify(files: tuple[str, ...], rules_file: str | None, as_json: bool) -> None:
     """Run the source log filter over FILES and print the events it keeps (classes, severity,
     context, collapsed repeats); everything else is dropped and counted."""
-    from ranklens.collector.logfilter import classify_paths
+    # the lines are made in one place, for this command and the console script's fast path
+    from ranklens._entry import classify_output, kept_note
 
     n = 0
-    for ev in classify_paths(list(files), rules_file):
+    for line in classify_output(files, rules_file, as_json):
         n += 1
-        if as_json:
-            click.echo(json.dumps(ev.to_json(), default=_json_default))
-        else:
-            d = ev.to_json()
-            first = str(d.get("message", "")).splitlines()[0][:160] if d.get("message") else ""
-            rep = f" (x{d['repeat_count']})" if d.get("repeat_count", 1) > 1 else ""
-            click.echo(f"{d.get('severity', ''):8s} {d.get('klass', d.get('class', '')):18s} {first}{rep}")
+        click.echo(line)
     if not as_json:
-        click.echo(f"({n} event{'s' if n != 1 else ''} kept)", err=True)
+        click.echo(kept_note(n), err=True)
 
 
 @cli.command(epilog=_EPILOG)

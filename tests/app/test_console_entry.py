@@ -1,0 +1,116 @@
+"""The console script's fast path for ``ranklens logs classify`` (ranklens._entry): the same
+output, messages and exit codes as the click command, without importing click (issue 18)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ranklens._entry import fast_logs_classify_args
+
+LOG = (
+    "ok\n"
+    "2024-05-08 08:00:01,123 [rank3]: RuntimeError: CUDA error: an illegal memory access was encountered\n"
+    "\x1b[31mNCCL WARN NET/IB : Got completion from peer 10.0.0.2 with error 12\x1b[0m\n"
+    "[rank1]: Traceback (most recent call last):\n"
+    '[rank1]:   File "train.py", line 3, in <module>\n'
+    "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    "ok\n" * 3
+)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    log = tmp_path / "rank.log"
+    log.write_text(LOG)
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rules]]\nname = "ok_line"\nclass = "benign"\npattern = "^ok$"\nseverity = "info"\n')
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[filter\n")
+    return {"log": log, "rules": rules, "bad": bad, "dir": tmp_path}
+
+
+def test_only_plain_command_lines_take_the_fast_path(files):
+    log, rules = str(files["log"]), str(files["rules"])
+    assert fast_logs_classify_args(["logs", "classify", log]) == ([log], None, False)
+    assert fast_logs_classify_args(["logs", "classify", "--json", log, log]) == ([log, log], None, True)
+    assert fast_logs_classify_args(["logs", "classify", "--rules", rules, log]) == ([log], rules, False)
+    assert fast_logs_classify_args(["logs", "classify", f"--rules={rules}", log, "--json"]) == ([log], rules, True)
+    for argv in (
+        ["logs", "classify"],  # no file: click's usage error
+        ["logs", "classify", "--help", log],
+        ["logs", "classify", "-h"],
+        ["logs", "classify", "--json", "--json", log],
+        ["logs", "classify", "--rules", rules, "--rules", rules, log],
+        ["logs", "classify", "--rules"],
+        ["logs", "classify", "--", log],
+        ["logs", "classify", "--verbose", log],
+        ["logs", "classify", str(files["dir"] / "missing.log")],
+        ["logs", "classify", str(files["dir"])],  # a directory
+        ["logs", "classify", "--rules", str(files["dir"] / "missing.toml"), log],
+        ["logs", log],
+        ["analyze", "--json"],
+        [],
+    ):
+        assert fast_logs_classify_args(argv) is None, argv
+
+
+def _run(module: str, args: list[str]) -> tuple[int, str, str]:
+    p = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout, p.stderr
+
+
+def _same_json(a: str, b: str) -> bool:
+    def norm(text: str) -> list[dict]:
+        rows = [json.loads(line) for line in text.splitlines()]
+        for r in rows:  # a line without a time of its own takes the time it was read
+            r.pop("ts_ns")
+        return rows
+
+    return norm(a) == norm(b)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["text", "json", "rules", "bad_rules", "missing_file", "help"],
+)
+def test_the_fast_path_prints_what_the_click_command_prints(files, case):
+    log = str(files["log"])
+    args = {
+        "text": ["logs", "classify", log],
+        "json": ["logs", "classify", "--json", log],
+        "rules": ["logs", "classify", "--rules", str(files["rules"]), log],
+        "bad_rules": ["logs", "classify", "--rules", str(files["bad"]), log],
+        "missing_file": ["logs", "classify", str(files["dir"] / "missing.log")],
+        "help": ["logs", "classify", "--help"],
+    }[case]
+    fast = _run("ranklens._entry", args)
+    slow = _run("ranklens.cli", args)
+    assert fast[0] == slow[0] and fast[2] == slow[2], (fast, slow)
+    if case == "json":
+        assert _same_json(fast[1], slow[1]) and fast[1].count("\n") == 3
+    else:
+        assert fast[1] == slow[1]
+    if case == "text":
+        assert "\x1b" not in fast[1] and "nccl_error" in fast[1] and fast[2] == "(3 events kept)\n"
+    if case == "bad_rules":
+        assert fast[0] == 2 and fast[2].startswith("ranklens: error: ")
+
+
+def test_the_fast_path_does_not_import_click(files):
+    plain = files["dir"] / "plain.log"
+    plain.write_text(LOG.replace("\x1b[31m", "").replace("\x1b[0m", ""))  # a styled line goes to click.echo
+    code = (
+        "import sys\n"
+        "from ranklens._entry import main\n"
+        f"sys.argv = ['ranklens', 'logs', 'classify', {str(plain)!r}]\n"
+        "main()\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('click', 'ranklens.cli'))), file=sys.stderr)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert p.stderr.strip().splitlines()[-1] == "[]", p.stderr
+    assert "cuda_error" in p.stdout
