@@ -17,7 +17,6 @@ convention that pip and other tools follow.
 
 from __future__ import annotations
 
-import logging
 import os
 import struct
 import zlib
@@ -27,7 +26,13 @@ from typing import Any
 
 __all__ = ["HyperscanCache", "default_cache_dir"]
 
-log = logging.getLogger("ranklens.collector.logfilter")
+
+def _log() -> Any:
+    # logging is imported when there is something to say: ~4 ms of a one-shot run otherwise
+    import logging
+
+    return logging.getLogger("ranklens.collector.logfilter")
+
 
 _MAGIC = b"ranklens-hsdb 1\n"
 _HEAD = struct.Struct("<II")  # key length, CRC-32 of the payload
@@ -106,7 +111,7 @@ class HyperscanCache:
             return None
         db = self._decode(raw)
         if db is None:
-            log.debug("log filter: ignoring the unusable Hyperscan cache file %s", self.path)
+            _log().debug("log filter: ignoring the unusable Hyperscan cache file %s", self.path)
         return db
 
     def _decode(self, raw: bytes) -> Any:
@@ -143,6 +148,6 @@ class HyperscanCache:
                 raise
             os.replace(tmp, self.path)
         except (OSError, self._hs.error) as e:
-            log.debug("log filter: cannot write the Hyperscan cache %s: %s", self.path, e)
+            _log().debug("log filter: cannot write the Hyperscan cache %s: %s", self.path, e)
             return False
         return True

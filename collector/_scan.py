@@ -19,7 +19,6 @@ Python ``re`` is a last resort only (~100x slower: it warns).
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from collections.abc import Sequence
@@ -30,7 +29,13 @@ from ranklens.errors import ConfigError
 
 __all__ = ["DEFAULT_CACHE", "ENGINES", "Scanner", "make_scanner"]
 
-log = logging.getLogger("ranklens.collector.logfilter")
+
+def _log() -> Any:
+    # logging is imported when there is something to say: ~4 ms of a one-shot run otherwise
+    import logging
+
+    return logging.getLogger("ranklens.collector.logfilter")
+
 
 ENGINES = ("auto", "hyperscan", "re2", "re")
 DEFAULT_CACHE = "default"  # make_scanner(cache_dir=...): the user's cache directory (see _hs_cache)
@@ -247,7 +252,7 @@ def make_scanner(
                 where = default_cache_dir() if cache_dir == DEFAULT_CACHE else cache_dir
                 return _HyperscanScanner(patterns, cache_dir=where)
             if name == "re" and engine == "auto":
-                log.warning(
+                _log().warning(
                     "ranklens log filter: neither hyperscan nor google-re2 is usable (%s); the pure-Python "
                     "engine is about 100x slower: pip install google-re2",
                     "; ".join(errors),
@@ -256,7 +261,7 @@ def make_scanner(
         except ValueError as e:
             if engine != "auto":
                 raise ConfigError(f"log filter engine {name}: {e}") from None
-            log.warning("ranklens log filter: %s; trying the next engine", e)
+            _log().warning("ranklens log filter: %s; trying the next engine", e)
             errors.append(str(e))
     if errors:  # pragma: no cover - 're' accepts everything LogRule() accepted
         raise ConfigError("no log filter engine accepts the rules: " + "; ".join(errors))

@@ -24,7 +24,6 @@ The same code path serves the collector's tailer and ``ranklens logs classify``
 
 from __future__ import annotations
 
-import calendar
 import functools
 import os
 import re
@@ -32,7 +31,6 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -768,6 +766,8 @@ def _parse_ts(text: str, default_ns: int) -> int:
                     sign = -1 if tz[0] == "-" else 1
                     tzd = tz[1:].replace(":", "")
                     off = sign * (int(tzd[:2]) * 3600 + int(tzd[2:]) * 60)
+                import calendar  # here, not at import: ~3 ms of a one-shot run that may never need it
+
                 secs = calendar.timegm((int(y), int(mo), int(d), int(hh), int(mi), int(ss), 0, 0, 0)) - off
             else:
                 secs = int(time.mktime((int(y), int(mo), int(d), int(hh), int(mi), int(ss), 0, 0, -1)))
@@ -780,6 +780,8 @@ def _parse_ts(text: str, default_ns: int) -> int:
         m = _TS_GLOG_RE.search(head)
         if m:
             mo, d, hh, mi, ss, frac = m.groups()
+            from datetime import datetime, timezone
+
             year = datetime.fromtimestamp(default_ns / 1e9, timezone.utc).year
             frac_ns = int((frac or "0").ljust(9, "0")[:9])
             secs = int(time.mktime((year, int(mo), int(d), int(hh), int(mi), int(ss), 0, 0, -1)))
