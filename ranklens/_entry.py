@@ -106,9 +106,14 @@ def main() -> None:
         out.flush()
         print(f"ranklens: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    out.flush()
     if not as_json:
+        out.flush()
         print(kept_note(n), file=sys.stderr)
+    out.flush()
+    sys.stderr.flush()
+    # all is written and every thread joined: skip the interpreter's teardown of the modules and
+    # the compiled rules (~10 ms), as a one-shot command may
+    os._exit(0)
 
 
 if __name__ == "__main__":
