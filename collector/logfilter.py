@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ranklens.collector._scan import DEFAULT_CACHE, Scanner, make_scanner
-from ranklens.collector.rules import Action, LogRule, RuleSet, load_rules
+from ranklens.collector.rules import SEARCH_HINTS, Action, LogRule, RuleSet, load_rules
 
 __all__ = [
     "FilterStats",
@@ -205,7 +205,7 @@ class LogFilter:
         self.rules = rules or RuleSet.builtin()
         self._rules: tuple[LogRule, ...] = self.rules.rules
         self.scanner: Scanner = make_scanner(
-            [(r.pattern, r.ignore_case) for r in self._rules], engine, cache_dir=cache_dir
+            [(SEARCH_HINTS.get(r.pattern, r.pattern), r.ignore_case) for r in self._rules], engine, cache_dir=cache_dir
         )
         self.engine = self.scanner.name
         # candidate rule indexes are tried best first: priority, then rule order

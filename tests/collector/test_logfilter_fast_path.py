@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,20 @@ def test_logs_classify_imports_no_store_or_dataframe_code(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
     assert "cuda_error" in out.stdout
+
+
+def test_search_hints_match_wherever_their_patterns_do():
+    from ranklens.collector.rules import BUILTIN_RULES, SEARCH_HINTS
+
+    by_pattern = {r.pattern: r for r in BUILTIN_RULES}
+    assert SEARCH_HINTS and set(SEARCH_HINTS) <= set(by_pattern)
+    held = Path(__file__).parent.parent / "data" / "logs_heldout"
+    lines = LINES + [json.loads(x)["line"] for p in sorted(held.glob("*.jsonl")) for x in p.read_text().splitlines()]
+    for pattern, hint in SEARCH_HINTS.items():
+        # by construction: the pattern is PREFIX.*(?:HINT), so a match of it holds one of the hint
+        prefix = pattern[: -len(f".*(?:{hint})")]
+        assert pattern == f"{prefix}.*(?:{hint})" and "|" not in prefix and "(" not in prefix
+        flags = re.IGNORECASE if by_pattern[pattern].ignore_case else 0
+        hits = [x for x in lines if re.search(pattern, x, flags)]
+        assert hits, pattern  # the labelled lines exercise it
+        assert all(re.search(hint, x, flags) for x in hits)
