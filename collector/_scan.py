@@ -12,8 +12,9 @@ compiled database is cached on disk (``_hs_cache.py``: ~0.08 s to compile the 49
 ~0.1 ms to load), and Hyperscan searches without the GIL, so the filter searches a big chunk in
 two lanes at once (``logfilter.SEARCH_LANES``). Measured with ``bench/logfilter_bench.py`` (1M
 lines, 132 MB, the whole ``ranklens logs classify`` process against ``grep -E -f`` with the same
-49 patterns, alternating, on a 2-core host with other work on it): ~0.22-0.25 s against grep's
-~0.35-0.40 s, 1.5-1.7x. In-process, Hyperscan searches ~1.4 GB/s on one core, RE2 ~0.6 GB/s;
+49 patterns, alternating, on a 2-core host with other work on it): 0.19-0.25 s against grep's
+0.36-0.40 s, 1.5-1.9x; through the click-free console entry (``ranklens._entry``) 0.17 s, 2.1x.
+In-process, Hyperscan searches ~1.4 GB/s on one core, RE2 ~0.6 GB/s;
 Python ``re`` is a last resort only (~100x slower: it warns).
 """
 
