@@ -102,15 +102,17 @@ def main() -> None:
                 click.echo(line)
             else:
                 out.write(line + "\n")
+        if not as_json:
+            out.flush()
+            print(kept_note(n), file=sys.stderr)
+        out.flush()
+        sys.stderr.flush()
     except RanklensError as e:
         out.flush()
         print(f"ranklens: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    if not as_json:
-        out.flush()
-        print(kept_note(n), file=sys.stderr)
-    out.flush()
-    sys.stderr.flush()
+    except BrokenPipeError:  # `| head`: quietly, with click's exit code for it (1)
+        os._exit(1)
     # all is written and every thread joined: skip the interpreter's teardown of the modules and
     # the compiled rules (~10 ms), as a one-shot command may
     os._exit(0)

@@ -116,3 +116,29 @@ def test_the_fast_path_does_not_import_click(files):
     assert "ranklens.collector.logfilter" in imported  # the probe works
     assert not {m for m in imported if m.split(".")[0] in ("click", "numpy", "pyarrow") or m == "ranklens.cli"}
     assert "cuda_error" in p.stdout and p.stderr.rstrip().endswith("(3 events kept)")
+
+
+def test_a_reader_that_stops_early_gets_click_s_quiet_exit(files):
+    """`ranklens logs classify big.log | head -1`: no traceback, exit 1, as the click command."""
+    big = files["dir"] / "big.log"
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+    big.write_text(  # 20,000 distinct error lines (no repeats to collapse): more than a pipe holds
+        "".join(
+            f"[rank{i % 8}]: RuntimeError: CUDA error: an illegal memory access near "
+            f"{' '.join(words[(i + k) % 10] for k in range(i % 7 + 1))} {words[i % 10]}{i // 10 % 10}\nok\n"
+            for i in range(20_000)
+        )
+    )
+    codes = []
+    for module in ("ranklens._entry", "ranklens.cli"):
+        p = subprocess.Popen(
+            [sys.executable, "-m", module, "logs", "classify", "--json", str(big)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert p.stdout is not None and p.stdout.readline().startswith(b"{")
+        p.stdout.close()  # the reader is gone
+        _, err = p.communicate(timeout=120)
+        codes.append(p.returncode)
+        assert b"Traceback" not in err, (module, err.decode())
+    assert codes == [1, 1]
