@@ -2,6 +2,7 @@
 
     python bench/dashboard_bench.py [--ranks 10240] [--steps 50] [--ranks-per-node 8] [--store DIR]
                                     [--server clickhouse://default@127.0.0.1:9000/db] [--no-apptest]
+                                    [--browser] [--reuse]
 
 Writes a simulated job (``ranklens.simulate`` with telemetry: ranks on nodes, steps, phases, the
 tensor- and data-parallel collectives, heartbeats, GPU samples, log lines; one straggler rank and one
@@ -10,7 +11,14 @@ slow node link) into a fresh store, runs the straggler analyzer on it, then per 
 * the queries the page runs (uncached) and the Plotly figures it builds, with the cells/points
   and the JSON bytes sent to the browser;
 * the whole page script under Streamlit's AppTest with a cold cache (queries + Python-side
-  rendering, what a first page load costs on the server; the browser's drawing is not included).
+  rendering, what a first page load costs on the server; the browser's drawing is not included);
+* with ``--browser``, what a user sees: ``ranklens dashboard``'s server (``streamlit run``) and a
+  headless Chromium driven over the DevTools protocol (``tests/cdp.py``), each page's URL navigated
+  to and timed until its charts are drawn (the title shown, the script done, every chart with data).
+  Each page is loaded twice: the first visit runs its queries (the server's cache holds only what
+  earlier pages shared, e.g. the job list and bounds), the second is served from the cache.
+  ``--reuse`` keeps the job already in ``--store`` (simulated by an earlier run) instead of writing
+  a new one.
 
 Prints one line per measurement; nothing is timed inside the test suite.
 """
@@ -29,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/cdp.py: the Chromium driver
 
 from ranklens.dashboards import charts
 from ranklens.dashboards import queries as q
@@ -184,6 +194,114 @@ def run_apptest(store_url: str, job: str) -> None:
         )
 
 
+# url path, page title, charts that must be drawn (as tests/dashboards/test_dashboards_browser.py)
+BROWSER_PAGES = (
+    ("overview", "Jobs overview", 2),
+    ("findings", "Findings", 2),
+    ("timeline", "Timeline", 1),
+    ("heatmaps", "Heat maps", 1),  # once per metric
+    ("links", "Links", 3),
+    ("hangs", "Hangs", 2),
+    ("gpu-logs", "GPU and logs", 2),
+)
+
+READY_JS = """JSON.stringify((() => {
+  const plots = Array.from(document.querySelectorAll('.js-plotly-plot'));
+  return {
+    drawn: plots.filter(p => p.querySelectorAll('.trace path, .trace image, .hm image').length > 0).length,
+    exceptions: document.querySelectorAll('[data-testid="stException"]').length,
+    running: document.querySelectorAll('[data-testid="stStatusWidget"]').length,
+    titles: Array.from(document.querySelectorAll('h1')).map(h => h.innerText.trim()),
+  };
+})())"""
+
+
+def _browser_urls(store: Store, job: str, b: q.JobBounds, slow: int) -> list[tuple[str, str, str, int]]:
+    """(name, url path with query, title, charts wanted) of every page the browser loads."""
+    import urllib.parse
+
+    found = q.findings(store, job, 0)
+    fid = str(found["id"].iloc[0]) if not found.empty else ""
+    onset = int(found["first_seen_step"].iloc[0]) if not found.empty else b.last_step - 1
+    params: dict[str, dict[str, Any]] = {
+        "overview": {"job": job},
+        "findings": {"job": job, **({"finding": fid} if fid else {})},
+        "timeline": {"job": job, "ranks": slow, "step_from": onset, "step_to": onset + 1},
+        "links": {"job": job},
+        "hangs": {"job": job},
+        "gpu-logs": {"job": job},
+    }
+    out = []
+    for path, title, want in BROWSER_PAGES:
+        if path == "heatmaps":
+            for m in q.HEAT_METRICS:
+                qs = urllib.parse.urlencode({"job": job, "metric": m, "highlight": slow})
+                out.append((f"heat:{m}", f"{path}?{qs}", title, want))
+        else:
+            out.append((path, f"{path}?{urllib.parse.urlencode(params[path])}", title, want))
+    return out
+
+
+def run_browser(store_url: str, pages: list[tuple[str, str, str, int]], timeout_s: float = 300.0) -> int:
+    """Each page in headless Chromium against the real dashboard server: navigation to charts drawn."""
+    import json
+    import subprocess
+    import urllib.request
+
+    from ranklens.dashboards.launch import start_dashboard
+    from ranklens.formats.process import stop_process
+    from tests._sync import free_port, wait_until
+    from tests.cdp import Chromium, find_chromium
+
+    binary = find_chromium()
+    if binary is None:
+        print("browser   no Chromium installed (apt-get install chromium): browser timings skipped")
+        return 1
+    port = free_port()
+    log = tempfile.TemporaryFile()
+    proc = start_dashboard(store_url, "127.0.0.1", port, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as r:
+                return r.read().strip() == b"ok"
+        except OSError:
+            return False
+
+    failed = 0
+    try:
+        wait_until(healthy, 300, "the dashboard server's health check", interval_s=0.2, procs=[proc])
+        with Chromium(binary, width=1400, height=2000) as browser:
+            browser.navigate(f"{base}/overview")  # the browser's own start and Streamlit's static files
+            wait_until(lambda: json.loads(browser.evaluate(READY_JS))["titles"], 300, "the first page", interval_s=0.1)
+            for name, path, title, want in pages:
+                times = []
+                for _visit in ("first", "again"):
+                    t = time.perf_counter()
+                    browser.navigate(f"{base}/{path}")
+                    state: dict[str, Any] = {}
+                    while time.perf_counter() - t < timeout_s:
+                        state = json.loads(browser.evaluate(READY_JS))
+                        if state["exceptions"] or (
+                            title in state["titles"] and state["running"] == 0 and state["drawn"] >= want
+                        ):
+                            break
+                        time.sleep(0.02)
+                    times.append(time.perf_counter() - t)
+                ok = not state.get("exceptions") and state.get("drawn", 0) >= want
+                failed += not ok
+                print(
+                    f"browser   {name:16s} navigation to charts drawn: first visit {times[0]:5.2f} s, "
+                    f"again (cached) {times[1]:5.2f} s   {state.get('drawn', 0)}/{want} charts"
+                    + ("" if ok else "  NOT DRAWN" + (" (exception on the page)" if state.get("exceptions") else ""))
+                )
+    finally:
+        stop_process(proc, timeout_s=15)
+        log.close()
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, default=10_240)
@@ -192,7 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", help="embedded store directory (default: a temporary one, removed after)")
     p.add_argument("--server", default=os.environ.get("RANKLENS_BENCH_CLICKHOUSE"), help="a ClickHouse store URL")
     p.add_argument("--no-apptest", action="store_true", help="skip the end-to-end page runs")
+    p.add_argument("--browser", action="store_true", help="time every page in headless Chromium (a real server)")
+    p.add_argument("--no-pages", action="store_true", help="skip the per-page query and figure timings")
+    p.add_argument("--reuse", action="store_true", help="use the job already in --store/--server (no new one)")
     args = p.parse_args(argv)
+    if args.reuse and not (args.store or args.server):
+        p.error("--reuse needs --store DIR or --server URL holding a job from an earlier run")
 
     tmp = None
     if args.server:
@@ -203,45 +326,52 @@ def main(argv: list[str] | None = None) -> int:
     store = open_store(url)
     try:
         slow = args.ranks // 3 + 1
-        t = time.perf_counter()
-        sim: SimResult = simulate(
-            store,
-            ranks=args.ranks,
-            steps=args.steps,
-            tp=args.ranks_per_node,  # a node is a tensor-parallel group; data parallel across nodes
-            ranks_per_node=args.ranks_per_node,
-            faults=[f"slow_gpu:{slow}:1.4@5", f"slow_link:{(args.ranks // args.ranks_per_node) // 2}:4"],
-            telemetry=True,
-            gpu_sample_s=5.0,
-        )
-        total = sum(sim.rows.values())
-        print(f"simulate  {args.ranks:,} ranks x {args.steps} steps: {total:,} rows in {time.perf_counter() - t:.1f} s")
-        print("          " + ", ".join(f"{k} {v:,}" for k, v in sim.rows.items()))
-        try:
-            from ranklens.analyzers import find_stragglers, save_findings
-
+        jobs = q.list_jobs(store) if args.reuse else None
+        if jobs is not None and not jobs.empty:
+            job_id = str(jobs["job_id"].iloc[0])
+            print(f"reuse     job {job_id} in {url} ({int(jobs['ranks'].iloc[0]):,} ranks)")
+        else:
             t = time.perf_counter()
-            found = find_stragglers(store, sim.job_id, 0)
-            save_findings(store, found)
-            ok = any(f.suspects and f.suspects[0].rank == slow for f in found)
-            print(
-                f"analyze   straggler analyzer: {time.perf_counter() - t:.2f} s, {len(found)} finding(s), "
-                f"slowed rank {slow} {'found' if ok else 'NOT found'}"
+            sim: SimResult = simulate(
+                store,
+                ranks=args.ranks,
+                steps=args.steps,
+                tp=args.ranks_per_node,  # a node is a tensor-parallel group; data parallel across nodes
+                ranks_per_node=args.ranks_per_node,
+                faults=[f"slow_gpu:{slow}:1.4@5", f"slow_link:{(args.ranks // args.ranks_per_node) // 2}:4"],
+                telemetry=True,
+                gpu_sample_s=5.0,
             )
-        except Exception as e:  # the analyzer is not under test here; the pages work without findings
-            print(f"analyze   straggler analyzer failed: {e}")
-        b = q.job_bounds(store, sim.job_id, 0)
+            job_id = sim.job_id
+            total = sum(sim.rows.values())
+            dt = time.perf_counter() - t
+            print(f"simulate  {args.ranks:,} ranks x {args.steps} steps: {total:,} rows in {dt:.1f} s")
+            print("          " + ", ".join(f"{k} {v:,}" for k, v in sim.rows.items()))
+            try:
+                from ranklens.analyzers import find_stragglers, save_findings
+
+                t = time.perf_counter()
+                found = find_stragglers(store, job_id, 0)
+                save_findings(store, found)
+                ok = any(f.suspects and f.suspects[0].rank == slow for f in found)
+                print(
+                    f"analyze   straggler analyzer: {time.perf_counter() - t:.2f} s, {len(found)} finding(s), "
+                    f"slowed rank {slow} {'found' if ok else 'NOT found'}"
+                )
+            except Exception as e:  # the analyzer is not under test here; the pages work without findings
+                print(f"analyze   straggler analyzer failed: {e}")
+        b = q.job_bounds(store, job_id, 0)
         pages: list[tuple[str, Callable[[Timer], None]]] = [
-            ("overview", lambda tm: page_overview(store, sim.job_id, tm)),
-            ("findings", lambda tm: page_findings(store, sim.job_id, tm)),
-            ("timeline", lambda tm: page_timeline(store, sim.job_id, tm, b, slow)),
-            *((f"heat:{m}", functools.partial(_heat, store, sim.job_id, b, m)) for m in q.HEAT_METRICS),
-            ("links", lambda tm: page_links(store, sim.job_id, tm, b)),
-            ("hangs", lambda tm: page_hangs(store, sim.job_id, tm)),
-            ("gpu_logs", lambda tm: page_gpu_logs(store, sim.job_id, tm, b)),
+            ("overview", lambda tm: page_overview(store, job_id, tm)),
+            ("findings", lambda tm: page_findings(store, job_id, tm)),
+            ("timeline", lambda tm: page_timeline(store, job_id, tm, b, slow)),
+            *((f"heat:{m}", functools.partial(_heat, store, job_id, b, m)) for m in q.HEAT_METRICS),
+            ("links", lambda tm: page_links(store, job_id, tm, b)),
+            ("hangs", lambda tm: page_hangs(store, job_id, tm)),
+            ("gpu_logs", lambda tm: page_gpu_logs(store, job_id, tm, b)),
         ]
         print(f"pages     backend {store.backend}; heat-map rows: {q.choose_heat_axis(b.ranks, b.hosts, b.steps)}")
-        for name, run in pages:
+        for name, run in [] if args.no_pages else pages:
             tm = Timer()
             run(tm)
             print(
@@ -249,8 +379,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"to browser {tm.json_bytes / 1e6:6.2f} MB   total {tm.query_s + tm.figure_s:6.2f} s"
             )
         if not args.no_apptest and store.backend == "embedded":
-            run_apptest(url, sim.job_id)
-        return 0
+            run_apptest(url, job_id)
+        urls = _browser_urls(store, job_id, b, slow) if args.browser else []
+        store.close()  # the dashboard server opens the store itself
+        return run_browser(url, urls) if args.browser else 0
     finally:
         store.close()
         if tmp:
