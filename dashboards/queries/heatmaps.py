@@ -10,8 +10,9 @@ import math
 
 import pandas as pd
 
-from ranklens.analyzers.blame import blame_cells, blame_offsets, member_wait_sql
+from ranklens.analyzers.blame import member_wait_sql
 from ranklens.analyzers.compute import compute_sql
+from ranklens.dashboards.queries._cache import job_blame_cells, job_offsets
 from ranklens.dashboards.queries._sql import MAX_CELLS, RANK_DETAIL_MAX, esc, frame, job_where, steps_where
 from ranklens.store.api import Store
 
@@ -50,7 +51,7 @@ def _metric_source(
         return f"SELECT rank AS r, step AS s, toFloat64(dur_ns - least(wait_ns, dur_ns)) / 1e9 AS v FROM ({src})"
     if metric != "wait":  # blame is aggregated in Python: _blame_heatmap
         raise ValueError(f"unknown heat-map metric {metric!r}; one of {', '.join(HEAT_METRICS)}")
-    src = member_wait_sql(job_id, attempt, blame_offsets(store, job_id, attempt), step_from=step_from, step_to=step_to)
+    src = member_wait_sql(job_id, attempt, job_offsets(store, job_id, attempt), step_from=step_from, step_to=step_to)
     return f"SELECT rank AS r, step AS s, wait_ns / 1e9 AS v FROM ({src})"
 
 
@@ -139,10 +140,11 @@ def _blame_heatmap(
     agg: str,
     t0_ns: int,
 ) -> pd.DataFrame:
-    """The blame heat map: the analyzer's cells (:func:`~ranklens.analyzers.blame.blame_cells`; the
+    """The blame heat map: the analyzer's cells (:func:`~ranklens.analyzers.blame.blame_cells`, through
+    :func:`~ranklens.dashboards.queries._cache.job_blame_cells`; the
     union of overlapping waits is computed per cell, which SQL on 18.16 cannot), then bucketed like
     the other metrics. A cell exists only where a rank arrived last: at most ranks x steps rows."""
-    cells = blame_cells(store, job_id, attempt, step_from=step_from, step_to=step_to, t0_ns=t0_ns or None)
+    cells = job_blame_cells(store, job_id, attempt, step_from, step_to, t0_ns or None)
     sb = max(1, int(step_bucket))
     cols = pd.DataFrame({"r": cells.ranks, "step_key": cells.steps // sb * sb, "value": cells.delay_s})
     if axis == "node":

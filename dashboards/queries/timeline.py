@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ranklens.analyzers.blame import blame_cells
+from ranklens.dashboards.queries._cache import job_blame_cells
 from ranklens.dashboards.queries._sql import ROW_LIMIT, frame, ints, steps_where
 from ranklens.store.api import Store
 
@@ -23,7 +23,7 @@ def worst_ranks(
         ``culprit``, ``caused_s`` (seconds the others waited, mean per collective, summed) and
         ``times_last`` (collectives it arrived last at), worst first.
     """
-    cells = blame_cells(store, job_id, attempt, step_from=step_from, step_to=step_to, t0_ns=t0_ns or None)
+    cells = job_blame_cells(store, job_id, attempt, step_from, step_to, t0_ns or None)
     per_rank = pd.DataFrame({"culprit": cells.ranks, "caused_s": cells.delay_s, "times_last": cells.collectives})
     out = per_rank.groupby("culprit", as_index=False).sum()
     out = out.sort_values(["caused_s", "culprit"], ascending=[False, True], kind="stable").head(int(k))
