@@ -247,3 +247,85 @@ def test_reingesting_kineto_traces_and_flight_recorder_dumps_writes_their_rows_o
     assert counts() == first
     ingest("--job", "k2", str(trace))  # the same trace filed under another job is that job's data
     assert counts()[0] == 2 * first[0]
+
+
+def _same_rows(a, b) -> bool:
+    """Arrow tables equal row by row (NaN equal to NaN)."""
+    return a.schema == b.schema and all(
+        all((x == y) or (x != x and y != y) for x, y in zip(ra.values(), rb.values()))
+        for ra, rb in zip(a.to_pylist(), b.to_pylist())
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "table", "lines"),
+    [
+        ("collectives.jsonl", None, [ROW, dict(ROW, rank=1, peer=3, nbytes=8), dict(ROW, seq=2, clock="cuda")]),
+        ("steps-rank0.jsonl", None, [{"job_id": "j", "rank": 0, "step": 1, "start_ns": 1, "end_ns": 2, "loss": 0.5}]),
+        ("anything.jsonl", "heartbeats", [{"job_id": "j", "rank": 0, "ts_ns": 5, "pgs": ["0"], "pg_entered": [3]}]),
+        # an explicit null in a Float64 column is NaN, as a missing key is
+        ("steps.jsonl", None, [{"job_id": "j", "rank": 0, "step": 1, "start_ns": 1, "end_ns": 2, "loss": None}] * 2),
+        # 2**64 - 1 in UInt64, 2**31 - 1 in Int32, 255 in UInt8: the edges of the checked casts
+        ("collectives.jsonl", None, [dict(ROW, ingest_id=2**64 - 1, rank=2**31 - 1, async_op=255)]),
+    ],
+)
+def test_headerless_files_take_the_fast_path_and_read_as_the_strict_reader_does(tmp_path, name, table, lines):
+    """issue 18: a file without a header line (table from --table or its name) is read by Arrow's
+    reader with the table's schema and checked column by column, not value by value in Python."""
+    from ranklens.formats.rows import _read_jsonl_fast, _read_jsonl_strict
+
+    p = _jsonl(tmp_path / name, *lines)
+    fast = _read_jsonl_fast(p, table)
+    assert fast is not None
+    strict = _read_jsonl_strict(p, table)
+    assert fast[0] == strict[0]
+    assert _same_rows(fast[1], strict[1])
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        # the errors of the line-by-line reader, with their line numbers, for files the fast path defers
+        ({"job_id": "j"}, "line 2: required field 'rank' is missing"),
+        (dict(ROW, rank=None), "line 2: field 'rank': expected an integer"),
+        (dict(ROW, peer=None), "line 2: field 'peer': expected an integer"),
+        (dict(ROW, pg=0), "line 2: field 'pg': expected a string"),
+        (dict(ROW, peer=2**31), f"line 2: field 'peer': {2**31} is out of range"),
+        (dict(ROW, async_op=-1), "line 2: field 'async_op': -1 is out of range"),
+        (dict(ROW, seq=1.5), "line 2: field 'seq': expected an integer"),
+        (json.dumps(ROW) + " " + json.dumps(ROW), "line 2: not valid JSON"),
+        (json.dumps(ROW)[:30] + "\n" + json.dumps(ROW)[30:], "line 2: not valid JSON"),
+        (json.dumps(dict(ROW, pg="\ud800")), "line 2: field 'pg': not valid Unicode"),
+        (HEADER, "line 2: field 'ranklens' is not a column"),
+    ],
+)  # fmt: skip
+def test_headerless_errors_are_the_strict_readers(tmp_path, line, message):
+    raw = line if isinstance(line, str) else json.dumps(line)
+    p = _jsonl(tmp_path / "collectives.jsonl", ROW, raw=raw + "\n")
+    with pytest.raises(IngestError) as e:
+        read_jsonl(p)
+    assert f"{p}: {message}" in str(e.value)
+
+
+def test_headerless_layouts_the_fast_path_leaves_to_the_strict_reader(tmp_path):
+    """Blank lines, CRLF line ends and explicit nulls where a default would differ are still read
+    (by the line-by-line reader), with the same rows a canonical file gives."""
+    from ranklens.formats.rows import _read_jsonl_fast
+
+    rows = [ROW, dict(ROW, rank=1)]
+    canonical = read_jsonl(_jsonl(tmp_path / "collectives.jsonl", *rows))[1]
+    body = "".join(json.dumps(r) + "\n" for r in rows)
+    nulls = [dict(r, peer=None) for r in rows]  # the line-by-line reader's error (an integer expected)
+    assert _read_jsonl_fast(_jsonl(tmp_path / "collectives-x.jsonl", *nulls), None) is None
+    named_null = "".join(json.dumps(dict(r, op="null")) + "\n" for r in rows)  # "null" in a string
+    canonical_null = canonical.set_column(
+        canonical.column_names.index("op"), canonical.schema.field("op"), pa.array(["null"] * 2)
+    )
+    p = tmp_path / "collectives-y.jsonl"
+    p.write_text(named_null)
+    assert _same_rows(read_jsonl(p)[1], canonical_null)
+    for i, text in enumerate([body.replace("\n", "\r\n"), "\n" + body + "\n\n", " " + body]):
+        p = tmp_path / f"collectives-{i}.jsonl"
+        p.write_text(text)
+        assert _read_jsonl_fast(p, None) is None
+        assert _same_rows(read_jsonl(p)[1], canonical), text
