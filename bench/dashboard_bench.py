@@ -125,9 +125,8 @@ def page_links(store: Store, job: str, t: Timer, b: q.JobBounds) -> None:
     lo, hi = max(b.first_step, b.last_step - 49), b.last_step
     info = t.query(q.rank_info, store, job, 0)
     nodes = dict(zip(info["rank"].astype(int), info["node"]))
-    per_rank = t.query(q.rank_bandwidth, store, job, 0, lo, hi)
-    pairs = t.query(q.pair_bandwidth, store, job, 0, lo, hi)
-    groups = t.query(q.group_bandwidth, store, job, 0, lo, hi)
+    bw = t.query(q.link_bandwidth, store, job, 0, lo, hi)
+    per_rank, pairs, groups = bw.per_rank, bw.pairs, bw.groups
     t.query(q.group_names, store, job, 0)
 
     def matrix() -> go.Figure:

@@ -29,7 +29,8 @@ info = ctx.query("rank_info")
 nodes_of = dict(zip(info["rank"].astype(int), info["node"])) if not info.empty else {}
 by_rank = b.ranks <= RANK_MATRIX_MAX and st.radio("granularity", ["ranks", "nodes"], horizontal=True) == "ranks"
 
-per_rank = ctx.query("rank_bandwidth", lo, hi)
+bw = ctx.query("link_bandwidth", lo, hi)  # pairs, groups and ranks from one pass over the transfers
+per_rank = bw.per_rank
 key_of: Callable[[int], Any]
 label: Callable[[Any], str]
 if by_rank:
@@ -45,7 +46,7 @@ shown = list(bps.index[:MATRIX_MAX])
 if len(bps) > MATRIX_MAX:
     st.caption(f"{len(bps):,} {unit}s: showing the {MATRIX_MAX} with the lowest effective bandwidth")
 
-pairs = ctx.query("pair_bandwidth", lo, hi)
+pairs = bw.pairs
 keys = sorted(shown) if shown else None
 m, keys_out = charts.bandwidth_matrix(pairs, key_of, keys)
 st.plotly_chart(
@@ -61,7 +62,7 @@ st.plotly_chart(
     ),
     key="per_key",
 )
-groups = ctx.query("group_bandwidth", lo, hi)
+groups = bw.groups
 gn = ctx.query("group_names")
 names = dict(zip(gn["pg"], gn["pg_desc"]))
 st.plotly_chart(charts.group_bandwidth_chart(groups.head(30), names), key="groups")

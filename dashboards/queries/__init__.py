@@ -36,7 +36,13 @@ from ranklens.dashboards.queries.jobs import (
     rank_info,
     step_trend,
 )
-from ranklens.dashboards.queries.links import group_bandwidth, pair_bandwidth, rank_bandwidth
+from ranklens.dashboards.queries.links import (
+    LinkBandwidth,
+    group_bandwidth,
+    link_bandwidth,
+    pair_bandwidth,
+    rank_bandwidth,
+)
 from ranklens.dashboards.queries.timeline import timeline_collectives, timeline_phases, worst_ranks
 from ranklens.store.api import Store
 
@@ -51,6 +57,7 @@ __all__ = [
     "ROW_LIMIT",
     "TTL_S",
     "JobBounds",
+    "LinkBandwidth",
     "cached",
     "choose_heat_axis",
     "env_store_url",
@@ -67,6 +74,7 @@ __all__ = [
     "heatmap",
     "job_bounds",
     "ledger_blame",
+    "link_bandwidth",
     "list_jobs",
     "log_classes",
     "log_events",
@@ -98,6 +106,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
         timeline_phases,
         timeline_collectives,
         heatmap,
+        link_bandwidth,
         pair_bandwidth,
         group_bandwidth,
         rank_bandwidth,

@@ -5,6 +5,7 @@ own blame cells, and are recomputed when rows arrive."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from ranklens.analyzers.blame import blame_cells
 from ranklens.dashboards.queries import _cache
@@ -40,3 +41,47 @@ def test_cached_offsets_give_the_analyzers_blame_cells_and_follow_new_rows(store
     assert _cache.data_version(store, job.job_id, 0) != before
     _cache.job_offsets(store, job.job_id, 0)
     assert len(calls) == 2  # a new version: computed again
+
+
+def test_link_bandwidth_in_one_pass_is_the_per_collective_sums(store):
+    """The links page's rollup (one scan of the transfers) gives what summing the analyzer's
+    transfer rows per pair, group and member rank gives, straight from SQL."""
+    from ranklens.analyzers.links import transfer_sql
+    from ranklens.dashboards import queries as q
+    from ranklens.dashboards.queries.links import LINK_MIN_BYTES
+
+    job = simulate(store, ranks=16, steps=8, pp=2, tp=4, ranks_per_node=4, faults=["slow_link:1:3@2"], job_id="l1")
+    lo, hi = 1, 7
+    bw = q.link_bandwidth(store, job.job_id, 0, lo, hi)
+    xfer = transfer_sql(job.job_id, 0, min_bytes=LINK_MIN_BYTES, step_from=lo, step_to=hi)
+    w = f"job_id = '{job.job_id}' AND attempt = 0 AND step >= {lo} AND step <= {hi}"
+    want_rank = store.query(
+        f"SELECT rank, sum(bus_bytes), sum(xfer_ns), count() FROM (SELECT rank, pg, seq FROM collectives WHERE {w}) AS l "
+        f"ALL INNER JOIN (SELECT pg, seq, bus_bytes, xfer_ns FROM ({xfer})) AS r USING (pg, seq) GROUP BY rank ORDER BY rank"
+    ).rows()
+    got_rank = list(bw.per_rank.itertuples(index=False, name=None))
+    assert [r[0] for r in got_rank] == [r[0] for r in want_rank] == list(range(16))
+    for got, want in zip(got_rank, want_rank):
+        assert got[1] == pytest.approx(want[1]) and got[2:] == tuple(want[2:])
+    want_groups = dict(
+        (pg, (calls, bps, med))
+        for pg, calls, bps, med in store.query(
+            f"SELECT pg, count(), sum(bus_bytes) / (sum(xfer_ns) / 1e9), quantileExact(0.5)(bw_Bps) "
+            f"FROM ({xfer}) GROUP BY pg"
+        ).rows()
+    )
+    assert set(bw.groups["pg"]) == set(want_groups)
+    for pg, calls, bps, med in zip(
+        bw.groups["pg"], bw.groups["calls"], bw.groups["bytes_per_s"], bw.groups["median_bps"]
+    ):
+        assert (calls, bps, med) == (
+            want_groups[pg][0],
+            pytest.approx(want_groups[pg][1]),
+            pytest.approx(want_groups[pg][2]),
+        )
+    assert list(bw.groups["bytes_per_s"]) == sorted(bw.groups["bytes_per_s"])  # slowest first
+    want_pairs = store.query(
+        f"SELECT a_rank, b_rank, count() FROM ({xfer}) WHERE members = 2 GROUP BY a_rank, b_rank"
+    ).rows()
+    assert sorted(zip(bw.pairs["a_rank"], bw.pairs["b_rank"], bw.pairs["calls"])) == sorted(want_pairs)
+    assert len(want_pairs) == 16  # the 8 pipeline stage pairs and the 8 two-member data-parallel groups
