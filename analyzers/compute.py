@@ -22,19 +22,20 @@ from ranklens.store.api import sql_escape as _esc
 __all__ = ["ComputeMatrix", "compute_matrix", "compute_sql", "phase_compute_sql"]
 
 
-def _waits_subquery(job_id: str, attempt: int, min_step: int = 0, max_step: int | None = None) -> str:
+def _waits_subquery(job_id: str, attempt: int, min_step: int = 0, max_step: int | None = None, only: str = "") -> str:
     # A collective with no completion time (end_ns = 0: one only torch's flight-recorder ring saw,
     # e.g. a DTensor/functional collective on gloo) cannot have completed before its group's last
     # member arrived: that arrival stands for its completion, so a rank waiting for a late peer is
     # still seen blocked (taking its own arrival instead made the wait vanish, and the straggler with it).
     where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
     upto = f" AND step <= {int(max_step)}" if max_step is not None else ""
+    # `only` (" AND rank IN (...)") limits whose waits are summed; a collective's last arrival is every member's
     return (
         "SELECT rank, step, groupArray(enter_ns) AS enters, "
         "groupArray(if(end_ns > 0, end_ns, greatest(last_enter_ns, enter_ns))) AS ends, "
         "groupArray(async_op) AS asyncs "
         f"FROM (SELECT rank, step, pg, seq, enter_ns, end_ns, async_op FROM collectives "
-        f"WHERE {where} AND step >= {int(min_step)}{upto}) AS cc "
+        f"WHERE {where} AND step >= {int(min_step)}{upto}{only}) AS cc "
         "ALL LEFT JOIN (SELECT pg, seq, max(enter_ns) AS last_enter_ns FROM collectives "
         f"WHERE {where} AND end_ns = 0 GROUP BY pg, seq) AS lg USING (pg, seq) "
         "GROUP BY rank, step"
@@ -68,14 +69,28 @@ ORDER BY step, rank
 """.strip()
 
 
-def phase_compute_sql(job_id: str, attempt: int, ranks: list[int] | None = None) -> str:
-    """Per (rank, step, phase): phase duration and time inside collectives (optionally for some ranks)."""
+def phase_compute_sql(
+    job_id: str,
+    attempt: int,
+    ranks: list[int] | None = None,
+    *,
+    min_step: int | None = None,
+    max_step: int | None = None,
+) -> str:
+    """Per (rank, step, phase): phase duration and time inside collectives (optionally for some
+    ranks, and steps ``min_step..max_step``). The collectives are read for those ranks and steps
+    only (at 10,240 ranks, reading every rank's for one peer group's phases was most of the query)."""
     only = f" AND rank IN ({', '.join(str(int(r)) for r in ranks)})" if ranks else ""
+    if min_step is not None:
+        only += f" AND step >= {int(min_step)}"
+    if max_step is not None:
+        only += f" AND step <= {int(max_step)}"
+    waits = _waits_subquery(job_id, attempt, max(0, int(min_step or 0)), max_step, only)
     return f"""
 SELECT rank, step, phase, end_ns - start_ns AS dur_ns, {_WAIT_EXPR} AS wait_ns
 FROM (SELECT rank, step, phase, start_ns, end_ns FROM phases
       WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}{only}) AS p
-ALL LEFT JOIN ({_waits_subquery(job_id, attempt)}) AS c USING (rank, step)
+ALL LEFT JOIN ({waits}) AS c USING (rank, step)
 """.strip()
 
 
@@ -149,7 +164,8 @@ def phase_excess(store: Store, cm: ComputeMatrix, rank: int, steps: np.ndarray) 
     """For one rank over some steps: median excess compute (s) per phase over its peers' median."""
     group = cm.peer_group[int(np.searchsorted(cm.ranks, rank))]
     peers = [int(r) for r, g in zip(cm.ranks, cm.peer_group) if g == group]
-    r = store.query(phase_compute_sql(cm.job_id, cm.attempt, peers))
+    lo, hi = (int(np.min(steps)), int(np.max(steps))) if len(steps) else (None, None)
+    r = store.query(phase_compute_sql(cm.job_id, cm.attempt, peers, min_step=lo, max_step=hi))
     if r.num_rows == 0:
         return {}
     want = set(int(s) for s in steps)
