@@ -11,8 +11,12 @@ aggregate the analyzers' own SQL (:mod:`ranklens.analyzers.blame`, :mod:`~rankle
 One module per page concern: :mod:`.jobs`, :mod:`.findings`, :mod:`.timeline`, :mod:`.heatmaps`,
 :mod:`.links`, :mod:`.hangs`, :mod:`.gpu_logs`. The pages call :func:`cached`, which runs a fetch
 function of :data:`QUERIES` through ``st.cache_data`` with a short TTL (the job may be running),
-keyed by the store URL and the arguments. The fetch functions are plain functions, so tests and the
-benchmark call them without Streamlit.
+keyed by the store URL and the arguments. The queries of :data:`VERSIONED`, which read only a job's
+steps, phases, collectives and ranks, are cached by that job's data version as well
+(:func:`~ranklens.dashboards.queries._cache.data_version`, itself under the short TTL) for up to
+an hour: new rows change the version within ``TTL_S`` and the next page load recomputes, while a
+finished job's heat maps, links and timelines are computed once, not every ``TTL_S``. The fetch
+functions are plain functions, so tests and the benchmark call them without Streamlit.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ranklens.config import ENV_STORE
+from ranklens.dashboards.queries._cache import data_version
 from ranklens.dashboards.queries._sql import MAX_CELLS, MAX_SERIES, RANK_DETAIL_MAX, ROW_LIMIT, TTL_S
 from ranklens.dashboards.queries.findings import finding_actions, finding_history, findings
 from ranklens.dashboards.queries.gpu_logs import GPU_METRICS, gpu_events, gpu_series, log_classes, log_events
@@ -56,10 +61,12 @@ __all__ = [
     "RANK_DETAIL_MAX",
     "ROW_LIMIT",
     "TTL_S",
+    "VERSIONED",
     "JobBounds",
     "LinkBandwidth",
     "cached",
     "choose_heat_axis",
+    "data_version",
     "env_store_url",
     "finding_actions",
     "finding_history",
@@ -95,6 +102,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
     for f in (
         list_jobs,
         job_bounds,
+        data_version,
         ledger_blame,
         rank_info,
         phase_names,
@@ -122,6 +130,26 @@ QUERIES: dict[str, Callable[..., Any]] = {
 }
 
 
+#: queries that read only the job's steps, phases, collectives and ranks (what data_version covers):
+#: cached per data version, not only for TTL_S
+VERSIONED = frozenset(
+    {
+        "rank_info",
+        "phase_names",
+        "step_trend",
+        "worst_ranks",
+        "timeline_phases",
+        "timeline_collectives",
+        "heatmap",
+        "link_bandwidth",
+        "pair_bandwidth",
+        "group_bandwidth",
+        "rank_bandwidth",
+    }
+)
+VERSIONED_TTL_S = 3600.0
+
+
 def get_store(store_url: str) -> Store:
     """The store at ``store_url``, opened once per dashboard process (``st.cache_resource``)."""
     return _get_store_cached(store_url)
@@ -137,13 +165,22 @@ def _run(name: str, store_url: str, args: tuple[Any, ...], kwargs: tuple[tuple[s
     return QUERIES[name](get_store(store_url), *args, **dict(kwargs))
 
 
+def _run_versioned(
+    name: str, store_url: str, args: tuple[Any, ...], kwargs: tuple[tuple[str, Any], ...], version: tuple[int, ...]
+) -> Any:
+    del version  # part of the cache key only
+    return _run(name, store_url, args, kwargs)
+
+
 _get_store_cached: Callable[[str], Store] = _open
 _cached: Callable[[str, str, tuple[Any, ...], tuple[tuple[str, Any], ...]], Any] = _run
+_cached_versioned: Callable[..., Any] = _run_versioned
 try:  # the dashboards run under Streamlit; the fetch functions do not need it
     import streamlit as st
 
     _get_store_cached = st.cache_resource(show_spinner=False)(_open)
     _cached = st.cache_data(ttl=TTL_S, max_entries=512, show_spinner=False)(_run)
+    _cached_versioned = st.cache_data(ttl=VERSIONED_TTL_S, max_entries=256, show_spinner=False)(_run_versioned)
 except ImportError:  # pragma: no cover - depends on the install
     pass
 
@@ -161,7 +198,11 @@ def cached(name: str, store_url: str, *args: Any, **kwargs: Any) -> Any:
     """
     if name not in QUERIES:
         raise ValueError(f"{name!r} is not a dashboard query; one of {', '.join(sorted(QUERIES))}")
-    return _cached(name, store_url, tuple(args), tuple(sorted(kwargs.items())))
+    kw = tuple(sorted(kwargs.items()))
+    if name in VERSIONED and len(args) >= 2:  # (job_id, attempt, ...)
+        version = _cached("data_version", store_url, tuple(args[:2]), ())
+        return _cached_versioned(name, store_url, tuple(args), kw, version)
+    return _cached(name, store_url, tuple(args), kw)
 
 
 def env_store_url() -> str:

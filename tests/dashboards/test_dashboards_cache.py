@@ -56,8 +56,10 @@ def test_link_bandwidth_in_one_pass_is_the_per_collective_sums(store):
     xfer = transfer_sql(job.job_id, 0, min_bytes=LINK_MIN_BYTES, step_from=lo, step_to=hi)
     w = f"job_id = '{job.job_id}' AND attempt = 0 AND step >= {lo} AND step <= {hi}"
     want_rank = store.query(
-        f"SELECT rank, sum(bus_bytes), sum(xfer_ns), count() FROM (SELECT rank, pg, seq FROM collectives WHERE {w}) AS l "
-        f"ALL INNER JOIN (SELECT pg, seq, bus_bytes, xfer_ns FROM ({xfer})) AS r USING (pg, seq) GROUP BY rank ORDER BY rank"
+        f"SELECT rank, sum(bus_bytes), sum(xfer_ns), count() "
+        f"FROM (SELECT rank, pg, seq FROM collectives WHERE {w}) AS l "
+        f"ALL INNER JOIN (SELECT pg, seq, bus_bytes, xfer_ns FROM ({xfer})) AS r USING (pg, seq) "
+        "GROUP BY rank ORDER BY rank"
     ).rows()
     got_rank = list(bw.per_rank.itertuples(index=False, name=None))
     assert [r[0] for r in got_rank] == [r[0] for r in want_rank] == list(range(16))
@@ -85,3 +87,29 @@ def test_link_bandwidth_in_one_pass_is_the_per_collective_sums(store):
     ).rows()
     assert sorted(zip(bw.pairs["a_rank"], bw.pairs["b_rank"], bw.pairs["calls"])) == sorted(want_pairs)
     assert len(want_pairs) == 16  # the 8 pipeline stage pairs and the 8 two-member data-parallel groups
+
+
+def test_versioned_queries_are_computed_once_per_data_version(tmp_path, monkeypatch):
+    """``cached`` keeps a heat map past the short TTL while the job's rows are unchanged and
+    recomputes it once rows arrive (the data version is itself under the short TTL)."""
+    pytest.importorskip("streamlit")
+    from ranklens.dashboards import queries as q
+    from ranklens.store import open_store
+
+    store = open_store(f"embedded://{tmp_path / 'store'}")
+    job = simulate(store, ranks=8, steps=4, tp=4, ranks_per_node=4, job_id="v1")
+    calls = []
+    real = q.QUERIES["heatmap"]
+    monkeypatch.setitem(q.QUERIES, "heatmap", lambda *a, **k: calls.append(a) or real(*a, **k))
+    q._cached_versioned.clear()
+
+    def heat():
+        return q.cached("heatmap", store.url, job.job_id, 0, "step_time", 0, 3, axis="rank")
+
+    first = heat()
+    q._cached.clear()  # the short TTL ran out: the version is read again, the same
+    assert heat().equals(first) and len(calls) == 1
+    store.write("steps", [{"job_id": job.job_id, "rank": 0, "step": 3, "start_ns": 1, "end_ns": 10**12}])
+    assert heat().equals(first) and len(calls) == 1  # within the TTL the old version still holds
+    q._cached.clear()
+    assert heat()["value"].max() > first["value"].max() and len(calls) == 2  # new rows, recomputed
