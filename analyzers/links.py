@@ -56,7 +56,6 @@ __all__ = [
     "GroupInfo",
     "LinkMetrics",
     "compute_link_metrics",
-    "could_be_slow",
     "find_slow_links",
     "link_metric_sql",
     "to_findings",
@@ -343,7 +342,7 @@ def compute_link_metrics(
     )
 
 
-def could_be_slow(m: LinkMetrics, slow_ratio: float) -> bool:
+def _could_be_slow(m: LinkMetrics, slow_ratio: float) -> bool:
     """False when no cell can be a slow test: within every class of comparable cells (op family,
     group size, number of nodes, size bucket: the classes of :class:`GroupTestingDetector`), the
     fastest cell is less than ``slow_ratio`` times faster than the slowest. A class's baseline is a
@@ -615,6 +614,6 @@ def find_slow_links(
     metrics = compute_link_metrics(store, job_id, attempt, min_bytes=min_bytes, window_steps=window_steps)
     if len(metrics) == 0:
         return []
-    if isinstance(detector, GroupTestingDetector) and not could_be_slow(metrics, detector.slow_ratio):
+    if isinstance(detector, GroupTestingDetector) and not _could_be_slow(metrics, detector.slow_ratio):
         return []  # no cell is slow enough against any baseline: the detector would find nothing
     return discount_links(store, to_findings(metrics, detector.detect(metrics), detector), contention)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ranklens.analyzers.links import GroupInfo, LinkMetrics, compute_link_metrics, could_be_slow, find_slow_links
+from ranklens.analyzers.links import GroupInfo, LinkMetrics, _could_be_slow, compute_link_metrics, find_slow_links
 from ranklens.analyzers.tomography import SLOW, GroupTestingDetector
 from tests.links_helpers import SimSpec, simulate
 
@@ -58,7 +58,7 @@ def test_no_slow_test_is_possible_when_the_check_says_so(seed: int) -> None:
         m = _cells(rng, float(rng.choice([0.02, 0.1, 0.2, 0.4])))
         for det in (GroupTestingDetector(), GroupTestingDetector(slow_ratio=1.2, fast_ratio=1.1, noise_k=0.0)):
             report = det.detect(m)
-            if not could_be_slow(m, det.slow_ratio):
+            if not _could_be_slow(m, det.slow_ratio):
                 skipped += 1
                 assert not (report.verdict == SLOW).any()
                 assert report.links == [] and report.congestion == []
@@ -71,9 +71,9 @@ def test_a_healthy_job_is_skipped_and_a_slow_link_is_not(embedded_store) -> None
     embedded_store.write_many(simulate(SimSpec(job_id="healthy", seed=1, noise=0.05)))
     embedded_store.write_many(simulate(SimSpec(job_id="faulty", slow_nodes={5: 2.0}, slow_from=3, steps=12)))
     healthy = compute_link_metrics(embedded_store, "healthy")
-    assert len(healthy) > 0 and not could_be_slow(healthy, GroupTestingDetector().slow_ratio)
+    assert len(healthy) > 0 and not _could_be_slow(healthy, GroupTestingDetector().slow_ratio)
     assert GroupTestingDetector().detect(healthy).links == []
     assert find_slow_links(embedded_store, "healthy") == []
     faulty = compute_link_metrics(embedded_store, "faulty")
-    assert could_be_slow(faulty, GroupTestingDetector().slow_ratio)
+    assert _could_be_slow(faulty, GroupTestingDetector().slow_ratio)
     assert [f.evidence["link"] for f in find_slow_links(embedded_store, "faulty")] == ["node5<->network"]
