@@ -30,9 +30,12 @@ def key_ingest_id(parts: Iterable[bytes]) -> int:
 
 def stamp(data: Any, ingest_id: int) -> Any:
     """``data`` (an Arrow table of a schema table) with every row's ``ingest_id`` set."""
+    import numpy as np
     import pyarrow as pa
 
-    col = pa.array([ingest_id] * data.num_rows, type=pa.uint64())
+    # from a buffer: pa.array of a Python list costs a conversion a row and imports pandas (issue 18)
+    ids = pa.py_buffer(np.full(data.num_rows, ingest_id, dtype=np.uint64))
+    col = pa.Array.from_buffers(pa.uint64(), data.num_rows, [None, ids])
     return data.set_column(data.column_names.index(INGEST_ID), INGEST_ID, col)
 
 
