@@ -285,10 +285,11 @@ def pivot_heat(df: pd.DataFrame, row_order: Sequence[Any] | None = None) -> tupl
     ri = {r: i for i, r in enumerate(rows)}
     si = {s: j for j, s in enumerate(steps)}
     z = np.full((len(rows), len(steps)), np.nan)
-    for r, s, v in zip(df["row_key"], df["step_key"], df["value"]):
-        i = ri.get(r)
-        if i is not None:
-            z[i, si[int(s)]] = v
+    if len(df):  # vectorised: 80,000 cells in a Python loop were ~0.1 s of a page
+        i = df["row_key"].map(ri)
+        keep = i.notna().to_numpy()
+        j = df["step_key"].astype("int64").map(si).to_numpy()[keep].astype(np.intp)
+        z[i.to_numpy()[keep].astype(np.intp), j] = df["value"].to_numpy(dtype=float)[keep]
     return z, rows, steps
 
 
@@ -310,7 +311,9 @@ def heatmap_chart(
         return empty_figure("nothing to show in this window", title)
     fig = go.Figure(
         go.Heatmap(
-            z=z * scale,
+            # float32: half the bytes sent to the browser (plotly encodes arrays as typed base64);
+            # 7 digits are more than the one decimal shown
+            z=(z * scale).astype(np.float32),
             x=list(steps),
             y=list(row_labels),
             colorscale="YlOrRd",
