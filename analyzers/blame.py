@@ -254,13 +254,11 @@ def compute_blame(
 ) -> BlameMatrix:
     """Run the blame metric in the store and shape it as a rank x step matrix (only the blame of
     ``only_ranks`` when given: evidence for suspects found by another detector)."""
-    t0 = store.query(
-        f"SELECT min(enter_ns) FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
-    ).scalar()
+    t0, with_step = store.query(  # one scan for both
+        f"SELECT min(enter_ns), countIf(step >= 0) FROM collectives "
+        f"WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+    ).rows()[0]
     offsets = blame_offsets(store, job_id, attempt) if align else None
-    with_step = store.query(
-        f"SELECT countIf(step >= 0) FROM collectives WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
-    ).scalar()
     windows = None if int(with_step or 0) > 0 else collective_windows(store, job_id, attempt)
     if windows is not None and windows.empty:
         windows = None
