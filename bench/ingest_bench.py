@@ -22,6 +22,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,16 +70,20 @@ def write_jsonl(path: Path, rows: int, ranks: int = 64, seed: int = 0) -> None:
 
 
 def _run_rusage(argv: list[str], stdin: Path | None = None) -> tuple[float, float]:
-    """(seconds, peak RSS MB) of ``argv``, measured with os.wait4 on the child."""
-    with open(stdin or os.devnull, "rb") as inp:
-        t = time.perf_counter()
-        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=[(os.POSIX_SPAWN_DUP2, inp.fileno(), 0)])
-        _, status, usage = os.wait4(pid, 0)
-        dt = time.perf_counter() - t
-    code = os.waitstatus_to_exitcode(status)
-    if code:
-        raise SystemExit(f"{' '.join(argv[:4])} ... exited {code}")
-    return dt, usage.ru_maxrss / 1024
+    """(seconds, peak RSS MB) of ``argv`` run to its exit. The peak comes from GNU time's ``%M``:
+    a child spawned straight from this (large) process would report this process's RSS as its own
+    floor (Linux carries the pre-exec memory's high-water mark into the child's ``ru_maxrss``)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as rep, tempfile.TemporaryFile() as err:
+        with open(stdin or os.devnull, "rb") as inp:
+            t = time.perf_counter()
+            code = subprocess.call(
+                ["/usr/bin/time", "-f", "%M", "-o", rep.name, *argv], stdin=inp, stdout=subprocess.DEVNULL, stderr=err
+            )
+            dt = time.perf_counter() - t
+        if code:
+            err.seek(0)
+            raise SystemExit(f"{' '.join(argv[:4])} ... exited {code}: {err.read().decode(errors='replace')[-2000:]}")
+        return dt, int(rep.read().split()[-1]) / 1024
 
 
 def rounds(
@@ -115,10 +120,17 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--server", default=os.environ.get("RANKLENS_BENCH_CLICKHOUSE"))
+    p.add_argument(
+        "--ranklens-cmd",
+        help="the command timed as ranklens (default: this environment's console script), e.g. "
+        "another checkout's for a before/after comparison",
+    )
     args = p.parse_args()
     if args.rounds < 1 or args.rows < 1:
         p.error("--rows and --rounds must be at least 1")
     ROWS = args.rows
+    if args.ranklens_cmd:
+        RANKLENS[:] = args.ranklens_cmd.split()
     from ranklens.store import open_store
 
     tmp = Path(tempfile.mkdtemp(prefix="ranklens-ingest-bench-"))
