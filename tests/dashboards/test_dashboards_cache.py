@@ -40,6 +40,10 @@ def test_cached_offsets_give_the_analyzers_blame_cells_and_follow_new_rows(store
     )
     assert _cache.data_version(store, job.job_id, 0) != before
     _cache.job_offsets(store, job.job_id, 0)
+    assert len(calls) == 1  # the version is read again only once it is TTL_S old
+    later = _cache._clock() + _cache.TTL_S + 1
+    monkeypatch.setattr(_cache, "_clock", lambda: later)
+    _cache.job_offsets(store, job.job_id, 0)
     assert len(calls) == 2  # a new version: computed again
 
 
