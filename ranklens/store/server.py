@@ -514,13 +514,13 @@ def _column_values(col: Any) -> list[Any]:
     import pyarrow.compute as pc
 
     if col.null_count == 0 and (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)):
-        return _numpy(col.combine_chunks()).tolist()  # type: ignore[no-any-return]
+        return _numpy(col.combine_chunks()).tolist()
     if col.null_count == 0 and pa.types.is_string(col.type):
         enc = pc.dictionary_encode(col).combine_chunks()
         words = np.empty(len(enc.dictionary), dtype=object)
         words[:] = enc.dictionary.to_pylist()
-        return words[_numpy(enc.indices)].tolist()  # type: ignore[no-any-return]
-    return col.to_pylist()  # type: ignore[no-any-return]
+        return words[_numpy(enc.indices)].tolist()
+    return col.to_pylist()
 
 
 def _numpy(arr: Any) -> Any:

@@ -1,0 +1,66 @@
+"""The server store's column conversions (issue 18): inserts hand the driver plain lists made
+through numpy, not ``to_pylist``; a query's numeric columns become Arrow arrays from buffers. The
+values must be exactly what ``to_pylist`` / ``pa.array`` give."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pyarrow as pa
+import pytest
+
+from ranklens.store.server import _arrow_table, _column_values
+
+
+@pytest.mark.parametrize(
+    "col",
+    [
+        pa.chunked_array([pa.array([1, -2, 3], pa.int32()), pa.array([2**31 - 1], pa.int32())]),
+        pa.chunked_array([pa.array([0, 2**64 - 1], pa.uint64())]),
+        pa.chunked_array([pa.array([0, 255, 7], pa.uint8()).slice(1)]),  # a slice: an offset into its buffer
+        pa.chunked_array([pa.array([1.5, math.inf, -0.0], pa.float64())]),
+        pa.chunked_array([pa.array(["a", "bb", "a", "", "é"]), pa.array(["bb", "a"]).slice(1)]),
+        pa.chunked_array([pa.array([[1, 2], []], pa.list_(pa.int32()))]),
+        pa.chunked_array([], pa.string()),
+    ],
+)
+def test_insert_columns_are_the_values_to_pylist_gives(col):
+    got = _column_values(col)
+    assert got == col.to_pylist()
+    assert [type(v) for v in got] == [type(v) for v in col.to_pylist()]
+
+
+def test_query_columns_keep_their_types_and_values():
+    types = [("n", "UInt64"), ("i", "Int32"), ("x", "Float64"), ("s", "String")]
+    t = _arrow_table(types, [(2**64 - 1, 0), (-5, 7), (0.25, math.nan), ("a", "b")])
+    assert t.schema.types == [pa.uint64(), pa.int32(), pa.float64(), pa.string()]
+    assert t.column("n").to_pylist() == [2**64 - 1, 0]
+    assert t.column("i").to_pylist() == [-5, 7]
+    assert t.column("x").to_pylist()[0] == 0.25 and math.isnan(t.column("x").to_pylist()[1])
+    assert _arrow_table(types, []).num_rows == 0
+
+
+def test_an_embedded_ingest_does_not_import_pandas(tmp_path):
+    """pandas' import was ~0.5 s of a one-shot ``ranklens ingest`` (chDB's ArrowTable results,
+    ``pa.array`` of Python lists): the ingest path builds its Arrow data without it (creating a
+    store, once, may)."""
+    from ranklens.store import open_store
+
+    open_store(f"embedded://{tmp_path}/store").close()
+    (tmp_path / "collectives.jsonl").write_text(
+        '{"job_id": "j", "rank": 0, "pg": "0", "seq": 1, "op": "all_reduce", "enter_ns": 100}\n'
+    )
+    code = (
+        "import sys\n"
+        "from ranklens.store import open_store\n"
+        "from ranklens.ingest import ingest_paths\n"
+        f"s = open_store('embedded://{tmp_path}/store')\n"
+        f"assert ingest_paths(s, [{str(tmp_path / 'collectives.jsonl')!r}]) == {{'collectives': 1}}\n"
+        "assert s.query('SELECT count() FROM collectives').scalar() == 1\n"
+        "print('pandas' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
