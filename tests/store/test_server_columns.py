@@ -5,6 +5,7 @@ values must be exactly what ``to_pylist`` / ``pa.array`` give."""
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -64,3 +65,20 @@ def test_an_embedded_ingest_does_not_import_pandas(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+def test_the_driver_is_imported_with_its_lazy_date_table_and_the_environment_is_left_as_it_was():
+    code = (
+        "import os, datetime\n"
+        "from ranklens.store.server import _import_driver\n"
+        "_import_driver()\n"
+        "import clickhouse_driver.columns.datecolumn as dc\n"
+        "assert 'CLICKHOUSE_DRIVER_LASY_DATE_LUT' not in os.environ\n"
+        "assert dc._date_lut[19844] == datetime.date(2024, 5, 1)\n"  # filled on demand, the same date
+        "assert dc._date_lut_reverse[datetime.date(2024, 5, 1)] == 19844\n"
+        "print(type(dc._date_lut).__name__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CLICKHOUSE_DRIVER_LASY_DATE_LUT"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "LazyLUT"
