@@ -383,6 +383,9 @@ class Tracer:
             for _work, _row in pending:  # never completed: record the arrival anyway
                 self.add("collectives", _row)
             self._run()
+            # and the exited heartbeat once more, now that the final flush has read the ring's last
+            # completions (the first one, below, is not held back by a stuck disk; the newest wins)
+            self._run_beat()
 
         # The last heartbeat (``exited``: tracing shut down cleanly, the rank did not die) goes on
         # the heartbeat lane, so a data flush stuck on the disk does not keep it back; the final
