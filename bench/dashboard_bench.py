@@ -245,9 +245,8 @@ def run_browser(store_url: str, pages: list[tuple[str, str, str, int]], timeout_
     """Each page in headless Chromium against the real dashboard server: navigation to charts drawn."""
     import json
     import subprocess
-    import urllib.request
 
-    from ranklens.dashboards.launch import start_dashboard
+    from ranklens.dashboards.launch import dashboard_healthy, start_dashboard
     from ranklens.formats.process import stop_process
     from tests._sync import free_port, wait_until
     from tests.cdp import Chromium, find_chromium
@@ -262,11 +261,7 @@ def run_browser(store_url: str, pages: list[tuple[str, str, str, int]], timeout_
     base = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as r:
-                return r.read().strip() == b"ok"
-        except OSError:
-            return False
+        return dashboard_healthy(base)
 
     failed = 0
     try:

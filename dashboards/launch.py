@@ -22,7 +22,7 @@ from ranklens.config import ENV_STORE
 from ranklens.errors import ConfigError
 from ranklens.formats.process import stop_process
 
-__all__ = ["APP_PATH", "dashboard_command", "dashboard_env", "run_dashboard", "start_dashboard"]
+__all__ = ["APP_PATH", "dashboard_command", "dashboard_env", "dashboard_healthy", "run_dashboard", "start_dashboard"]
 
 APP_PATH = Path(__file__).resolve().with_name("app.py")
 
@@ -110,6 +110,17 @@ def start_dashboard(
     return subprocess.Popen(
         dashboard_command(host, port), env=dashboard_env(url), stdout=stdout, stderr=stderr, preexec_fn=preexec
     )
+
+
+def dashboard_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
+    """True when the Streamlit server at ``base_url`` (``http://host:port``) answers its health check."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{base_url}/_stcore/health", timeout=timeout_s) as r:
+            return bool(r.read().strip() == b"ok")
+    except OSError:
+        return False
 
 
 def _deathsig_preexec() -> Any:

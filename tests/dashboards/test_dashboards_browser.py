@@ -114,7 +114,7 @@ def jobs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(jobs, tmp_path_factory):
-    from ranklens.dashboards.launch import start_dashboard
+    from ranklens.dashboards.launch import dashboard_healthy, start_dashboard
     from ranklens.formats.process import stop_process
 
     port = free_port()
@@ -124,11 +124,7 @@ def server(jobs, tmp_path_factory):
     base = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as r:
-                return r.read().strip() == b"ok"
-        except OSError:
-            return False
+        return dashboard_healthy(base)
 
     try:
         wait_until(  # readiness: streamlit's start on a loaded machine
