@@ -370,9 +370,13 @@ def test_per_rank_step_time_and_collective_wait_from_a_real_job(tmp_path, embedd
     agent = Agent(agent_config(tmp_path, nvml=False, logs=()), store=embedded_store)
     agent.start()
     try:
-        _wait(lambda: _metric(_scrape(agent.metrics_port), "ranklens_rank_steps_total", job_id="metrics-job",
-                              attempt=0, rank=1) == 12, "rank 1's 12 steps on /metrics")  # fmt: skip
-        m = _scrape(agent.metrics_port)
+
+        def both_shipped() -> dict | None:  # the two ranks' segments can ship in different passes
+            m = _scrape(agent.metrics_port)
+            steps = [_metric(m, "ranklens_rank_steps_total", job_id="metrics-job", attempt=0, rank=r) for r in (0, 1)]
+            return m if steps == [12, 12] else None
+
+        m = wait_until(both_shipped, 120.0, "both ranks' 12 steps on /metrics")
     finally:
         agent.stop()
 
