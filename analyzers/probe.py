@@ -37,6 +37,7 @@ from ranklens.analyzers.findings import Finding
 from ranklens.errors import RanklensError
 
 __all__ = [
+    "AllreduceResult",
     "ProbeError",
     "ProbePair",
     "ProbeReport",
@@ -57,6 +58,11 @@ class ProbeError(RanklensError):
     """The probe could not run (a worker failed or timed out); the message has its output."""
 
 
+# suspect / reference: confirming a finding; survey: one of many pairs compared with each other
+# (the pre-flight check's ring of pairs)
+ROLES = ("suspect", "reference", "survey")
+
+
 @dataclass(frozen=True)
 class ProbePair:
     """Measure between nodes ``a`` and ``b`` (both directions); ``role``: suspect or reference."""
@@ -68,8 +74,8 @@ class ProbePair:
     def __post_init__(self) -> None:
         if self.a == self.b:
             raise ValueError(f"a probe pair needs two different nodes, got {self.a!r} twice")
-        if self.role not in ("suspect", "reference"):
-            raise ValueError(f"role={self.role!r}; allowed: suspect, reference")
+        if self.role not in ROLES:
+            raise ValueError(f"role={self.role!r}; allowed: {', '.join(ROLES)}")
 
 
 @dataclass(frozen=True)
@@ -90,12 +96,34 @@ class ProbeResult:
 
 
 @dataclass(frozen=True)
+class AllreduceResult:
+    """One node's view of the all-reduce over every node of the probe: ``nbytes`` summed
+    ``len(iter_seconds)`` times; ``correct`` when every element came back equal to the world size."""
+
+    node: str
+    nbytes: int
+    iter_seconds: tuple[float, ...]
+    correct: bool
+    backend: str = "gloo"
+
+    @property
+    def seconds(self) -> float:
+        return float(np.median(self.iter_seconds)) if self.iter_seconds else float("nan")
+
+    @property
+    def algbw_Bps(self) -> float:
+        t = self.seconds
+        return self.nbytes / t if t > 0 else float("inf")
+
+
+@dataclass(frozen=True)
 class ProbeReport:
     """All measurements, the median bandwidth of suspect and reference directions, and the verdict:
     ``confirmed`` when the reference is at least ``confirm_ratio`` times faster than the suspect."""
 
     results: tuple[ProbeResult, ...]
     confirm_ratio: float = 2.0
+    allreduce: tuple[AllreduceResult, ...] = ()
 
     def _median(self, role: str) -> float:
         vals = [r.bandwidth_Bps for r in self.results if r.role == role]
@@ -166,8 +194,9 @@ def _host_port(host: str, port: int) -> str:
 class _Worker:
     """One launched worker: its output read by threads (so no pipe fills), the tagged lines kept."""
 
-    def __init__(self, node: str, cmd: list[str], env: dict[str, str]) -> None:
+    def __init__(self, node: str, cmd: list[str], env: dict[str, str], result_tag: str = "") -> None:
         self.node = node
+        self.result_tag = result_tag or RESULT_TAG
         self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
@@ -189,7 +218,7 @@ class _Worker:
             if tag == PORT_TAG and rest.strip().isascii() and rest.strip().isdigit():
                 self._port = int(rest)
                 self._tagged.set()
-            elif tag == RESULT_TAG:
+            elif tag == self.result_tag:
                 try:
                     self._result = json.loads(rest)
                 except ValueError:
@@ -239,6 +268,8 @@ def run_probe(
     timeout_s: float = 120.0,
     python: str = sys.executable,
     confirm_ratio: float = 2.0,
+    allreduce_bytes: int = 0,
+    backend: str = "gloo",
 ) -> ProbeReport:
     """Measure ``pairs`` with one process per node, started through ``launcher``.
 
@@ -255,12 +286,17 @@ def run_probe(
         timeout_s: the whole probe's limit.
         python: interpreter on the nodes.
         confirm_ratio: see :class:`ProbeReport`.
+        allreduce_bytes: after the pairs, all-reduce this many bytes over every node ``iters``
+            times and check the sum (0: no all-reduce); see :class:`AllreduceResult`.
+        backend: ``gloo`` (CPU tensors, TCP) or ``nccl`` (tensors on each node's first GPU).
 
     Raises:
         ProbeError: a worker failed or the probe timed out (workers are stopped).
     """
     if not pairs:
         raise ValueError("no pairs to probe")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}; allowed: gloo, nccl")
     nodes: list[str] = []
     for p in pairs:
         for n in (p.a, p.b):
@@ -275,7 +311,11 @@ def run_probe(
         "iters": int(iters),
         "timeout_s": float(timeout_s),
         "steps": [[rank[s], rank[d], p.role, s, d] for p in pairs for s, d in ((p.a, p.b), (p.b, p.a))],
+        "backend": backend,
+        "nodes": nodes,
     }
+    if allreduce_bytes:
+        plan["allreduce_bytes"] = int(allreduce_bytes)
     master = addresses[nodes[0]]
     deadline = time.monotonic() + timeout_s
     workers: list[_Worker] = []
@@ -312,16 +352,22 @@ def run_probe(
             w = failed[0]
             raise ProbeError(f"probe worker on {w.node} exited {w.proc.returncode}: {w.output()}")
         results = []
+        allreduce = []
         for w in workers:
             doc = w.result()
             if doc is None:
                 raise ProbeError(f"probe worker on {w.node} printed no {RESULT_TAG} line: {w.output()}")
             for r in doc:
-                results.append(ProbeResult(r["src"], r["dst"], r["role"], r["nbytes"], tuple(r["iter_seconds"])))
+                if r.get("kind") == "allreduce":
+                    allreduce.append(
+                        AllreduceResult(w.node, r["nbytes"], tuple(r["iter_seconds"]), bool(r["correct"]), backend)
+                    )
+                else:
+                    results.append(ProbeResult(r["src"], r["dst"], r["role"], r["nbytes"], tuple(r["iter_seconds"])))
     finally:
         for w in workers:
             w.stop()
-    return ProbeReport(tuple(results), confirm_ratio)
+    return ProbeReport(tuple(results), confirm_ratio, tuple(allreduce))
 
 
 def attach_probe(finding: Finding, report: ProbeReport) -> Finding:
@@ -387,11 +433,21 @@ def _worker(args: argparse.Namespace) -> int:
             store = dist.TCPStore(host, int(port), args.world, is_master=True, timeout=timeout, wait_for_workers=False)
     else:
         store = dist.TCPStore(host, int(port), args.world, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world, timeout=timeout)
+    backend = plan.get("backend", "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":  # one GPU per node is enough to measure the node's links
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=args.rank, world_size=args.world, timeout=timeout)
+
+    def sync() -> None:  # NCCL returns before the transfer is done: time to completion
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     me = args.rank
-    buf = torch.ones(max(1, plan["nbytes"] // 4), dtype=torch.float32)
-    ack = torch.zeros(1, dtype=torch.float32)
-    out = []
+    buf = torch.ones(max(1, plan["nbytes"] // 4), dtype=torch.float32, device=device)
+    ack = torch.zeros(1, dtype=torch.float32, device=device)
+    out: list[dict[str, Any]] = []
     for src, dst, role, src_node, dst_node in plan["steps"]:
         dist.barrier()
         if me == src:
@@ -402,6 +458,7 @@ def _worker(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 dist.send(buf, dst=dst)
                 dist.recv(ack, src=dst)
+                sync()
                 times.append(time.perf_counter() - t0)
             out.append(
                 {"src": src_node, "dst": dst_node, "role": role, "nbytes": int(buf.numel() * 4), "iter_seconds": times}
@@ -410,10 +467,33 @@ def _worker(args: argparse.Namespace) -> int:
             for _ in range(plan["iters"] + 1):
                 dist.recv(buf, src=src)
                 dist.send(ack, dst=src)
+            sync()
+    if plan.get("allreduce_bytes"):
+        out.append(_allreduce(dist, torch, plan, args.world, device, sync))
     dist.barrier()
     print(f"{RESULT_TAG} {json.dumps(out)}", flush=True)  # back to the caller over the launcher's stdout
     dist.destroy_process_group()
     return 0
+
+
+def _allreduce(dist: Any, torch: Any, plan: dict[str, Any], world: int, device: Any, sync: Any) -> dict[str, Any]:
+    """All-reduce ``allreduce_bytes`` over every worker ``iters`` times (after one warm-up), each
+    checked: ones summed over the world must come back as ``world`` everywhere."""
+    n = max(1, int(plan["allreduce_bytes"]) // 4)
+    t = torch.ones(n, dtype=torch.float32, device=device)
+    dist.all_reduce(t)
+    sync()
+    correct = bool((t == world).all().item())
+    times = []
+    for _ in range(plan["iters"]):
+        t.fill_(1.0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        sync()
+        times.append(time.perf_counter() - t0)
+        correct = correct and bool((t == world).all().item())
+    return {"kind": "allreduce", "nbytes": n * 4, "iter_seconds": times, "correct": correct}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,16 +10,19 @@ installed). Every call before ``nvmlInit`` raises ``NVML_ERROR_UNINITIALIZED``, 
 
 Devices are :class:`FakeGpu` objects whose fields tests change between samples; a field set to
 ``None`` answers ``NVML_ERROR_NOT_SUPPORTED``. :meth:`FakeNvml.inject_xid` queues an Xid event.
+:func:`from_spec` builds a fake from JSON (``$RANKLENS_FAKE_NVML`` of the pre-flight worker).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FakeGpu", "FakeNvml", "NVMLError", "fake_nvml"]
+__all__ = ["FakeGpu", "FakeNvml", "NVMLError", "fake_nvml", "from_spec"]
 
 # --- constants (NVML's values) ---------------------------------------------------------------
 NVML_SUCCESS = 0
@@ -63,6 +66,30 @@ NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 139
 nvmlEventTypeSingleBitEccError = 0x0000000000000001
 nvmlEventTypeDoubleBitEccError = 0x0000000000000002
 nvmlEventTypeXidCriticalError = 0x0000000000000008
+NVML_NVLINK_MAX_LINKS = 36
+# clock event (throttle) reason bits; the *Throttle* names are pynvml's deprecated aliases
+nvmlClocksEventReasonGpuIdle = 0x0000000000000001
+nvmlClocksEventReasonApplicationsClocksSetting = 0x0000000000000002
+nvmlClocksEventReasonSwPowerCap = 0x0000000000000004
+nvmlClocksEventReasonHwSlowdown = 0x0000000000000008
+nvmlClocksEventReasonSyncBoost = 0x0000000000000010
+nvmlClocksEventReasonSwThermalSlowdown = 0x0000000000000020
+nvmlClocksEventReasonHwThermalSlowdown = 0x0000000000000040
+nvmlClocksEventReasonHwPowerBrakeSlowdown = 0x0000000000000080
+nvmlClocksEventReasonDisplayClockSetting = 0x0000000000000100
+nvmlClocksEventReasonNone = 0x0000000000000000
+nvmlClocksThrottleReasonGpuIdle = nvmlClocksEventReasonGpuIdle
+nvmlClocksThrottleReasonApplicationsClocksSetting = nvmlClocksEventReasonApplicationsClocksSetting
+nvmlClocksThrottleReasonSwPowerCap = nvmlClocksEventReasonSwPowerCap
+nvmlClocksThrottleReasonHwSlowdown = nvmlClocksEventReasonHwSlowdown
+nvmlClocksThrottleReasonSyncBoost = nvmlClocksEventReasonSyncBoost
+nvmlClocksThrottleReasonSwThermalSlowdown = nvmlClocksEventReasonSwThermalSlowdown
+nvmlClocksThrottleReasonHwThermalSlowdown = nvmlClocksEventReasonHwThermalSlowdown
+nvmlClocksThrottleReasonHwPowerBrakeSlowdown = nvmlClocksEventReasonHwPowerBrakeSlowdown
+nvmlClocksThrottleReasonDisplayClockSetting = nvmlClocksEventReasonDisplayClockSetting
+nvmlClocksThrottleReasonBoardLimit = 0x0000000000000200
+nvmlClocksThrottleReasonReliability = 0x0000000000000400
+nvmlClocksThrottleReasonNone = 0x0000000000000000
 
 _ERROR_TEXT = {
     NVML_ERROR_UNINITIALIZED: ("Uninitialized", "NVMLError_Uninitialized"),
@@ -163,6 +190,17 @@ class c_nvmlFieldValue_t:
 
 
 @dataclass
+class c_nvmlPciInfo_t:
+    busIdLegacy: str
+    domain: int
+    bus: int
+    device: int
+    pciDeviceId: int
+    pciSubSystemId: int
+    busId: str
+
+
+@dataclass
 class FakeGpu:
     """One fake device. ``None`` in a field means the device does not support it."""
 
@@ -189,6 +227,14 @@ class FakeGpu:
         nvmlEventTypeXidCriticalError | nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError
     )
     lost: bool = False  # every call answers NVML_ERROR_GPU_IS_LOST
+    pcie_width: int | None = 16  # current link width (lanes)
+    pcie_max_width: int | None = 16
+    pcie_gen: int | None = 5  # current link generation
+    pcie_max_gen: int | None = 5
+    pci_bus_id: str = ""  # NVML's "00000000:BB:DD.0"; "": derived from the index (bus 0x18 + index)
+    nvlink_states: list[int] | None = None  # per link: 1 active, 0 inactive; None: no NVLink
+    persistence_mode: int | None = NVML_FEATURE_ENABLED
+    retired_pages_pending: int | None = None  # pre-Ampere only (with retired_pages)
 
 
 class _Handle:
@@ -216,9 +262,22 @@ class FakeNvml:
             for a machine without the driver).
     """
 
-    def __init__(self, gpus: list[FakeGpu] | None = None, *, init_error: int | None = None) -> None:
+    def __init__(
+        self,
+        gpus: list[FakeGpu] | None = None,
+        *,
+        init_error: int | None = None,
+        driver_version: str = "550.54.15-fake",
+        cuda_driver_version: int | None = 12040,
+        kernel_log: list[str] | None = None,
+    ) -> None:
         self.gpus = list(gpus or [])
         self.init_error = init_error
+        self.driver_version = driver_version
+        self.cuda_driver_version = cuda_driver_version
+        # Not NVML: the kernel log lines of this fake machine (``NVRM: Xid ...``), read by the
+        # pre-flight XID check instead of the real log, which describes the real GPUs.
+        self.kernel_log = list(kernel_log or [])
         self.initialized = 0
         self.calls: dict[str, int] = {}
         self._events: deque[c_nvmlEventData_t] = deque()
@@ -226,7 +285,7 @@ class FakeNvml:
         self._lock = threading.Lock()
         g = globals()
         for name, value in g.items():
-            if name.startswith(("NVML_", "nvmlEventType", "NVMLError")) or name.startswith("c_nvml"):
+            if name.startswith(("NVML_", "nvmlEventType", "nvmlClocks", "NVMLError")) or name.startswith("c_nvml"):
                 setattr(self, name, value)
 
     # --- test controls ---------------------------------------------------------------------
@@ -268,7 +327,11 @@ class FakeNvml:
 
     def nvmlSystemGetDriverVersion(self) -> str:
         self._call("nvmlSystemGetDriverVersion")
-        return "550.54.15-fake"
+        return self.driver_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        self._call("nvmlSystemGetCudaDriverVersion")
+        return int(self._need(self.cuda_driver_version))
 
     def nvmlDeviceGetCount(self) -> int:
         self._call("nvmlDeviceGetCount")
@@ -279,6 +342,19 @@ class FakeNvml:
         if not 0 <= index < len(self.gpus):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         return _Handle(index)
+
+    def nvmlDeviceGetIndex(self, handle: Any) -> int:
+        self._call("nvmlDeviceGetIndex")
+        self._gpu(handle)
+        return int(handle.index)
+
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> c_nvmlPciInfo_t:
+        self._call("nvmlDeviceGetPciInfo")
+        g = self._gpu(handle)
+        bus_id = g.pci_bus_id or f"00000000:{0x18 + handle.index:02X}:00.0"
+        dom, bus, dev = bus_id.split(".")[0].split(":")
+        d, b, v = int(dom, 16), int(bus, 16), int(dev, 16)
+        return c_nvmlPciInfo_t(f"{d:04X}:{b:02X}:{v:02X}.0", d, b, v, 0x233010DE, 0x16C110DE, bus_id)
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         self._call("nvmlDeviceGetUUID")
@@ -337,6 +413,37 @@ class FakeNvml:
     def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
         self._call("nvmlDeviceGetPcieReplayCounter")
         return int(self._need(self._gpu(handle).pcie_replay))
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
+        self._call("nvmlDeviceGetCurrPcieLinkGeneration")
+        return int(self._need(self._gpu(handle).pcie_gen))
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
+        self._call("nvmlDeviceGetMaxPcieLinkGeneration")
+        return int(self._need(self._gpu(handle).pcie_max_gen))
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
+        self._call("nvmlDeviceGetCurrPcieLinkWidth")
+        return int(self._need(self._gpu(handle).pcie_width))
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any) -> int:
+        self._call("nvmlDeviceGetMaxPcieLinkWidth")
+        return int(self._need(self._gpu(handle).pcie_max_width))
+
+    def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
+        self._call("nvmlDeviceGetNvLinkState")
+        states = self._need(self._gpu(device).nvlink_states)
+        if not 0 <= link < len(states):  # NVML: a link number this device does not have
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return int(states[link])
+
+    def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
+        self._call("nvmlDeviceGetPersistenceMode")
+        return int(self._need(self._gpu(handle).persistence_mode))
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, device: Any) -> int:
+        self._call("nvmlDeviceGetRetiredPagesPendingStatus")
+        return int(self._need(self._gpu(device).retired_pages_pending))
 
     def nvmlDeviceGetTotalEccErrors(self, handle: Any, errorType: int, counterType: int) -> int:
         self._call("nvmlDeviceGetTotalEccErrors")
@@ -413,3 +520,127 @@ def fake_nvml(n_gpus: int = 2, **kw: Any) -> FakeNvml:
         [FakeGpu(uuid=f"GPU-00000000-0000-0000-0000-{i:012d}") for i in range(n_gpus)],
         **kw,
     )
+
+
+# --- from JSON ---------------------------------------------------------------------------------
+_SPEC_KEYS = ("gpus", "xids", "init_error", "driver_version", "cuda_driver_version", "kernel_log")
+_GPU_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(FakeGpu)}
+_INT_KEYED = ("ecc_volatile", "ecc_aggregate", "retired_pages", "nvlink_fields")
+
+
+def from_spec(path_or_json: str) -> FakeNvml:
+    """A fake built from a JSON spec: a file's path, or the JSON itself (text starting with ``{``).
+
+    The spec: ``{"gpus": [{"uuid": "GPU-...", <FakeGpu field>: value, ...}] or N (N healthy GPUs,
+    uuids ``GPU-fake-<i>``), "xids": [[gpu_index, xid], ...], "init_error": null, an NVML code or
+    its name ("NVML_ERROR_DRIVER_NOT_LOADED"), "driver_version": str, "cuda_driver_version": int,
+    "kernel_log": [line, ...]}``, every key optional. Dicts keyed by an NVML enum (``ecc_volatile``
+    ...) take JSON's string keys (``{"1": 4}``).
+
+    Raises:
+        ValueError: a missing or unreadable file, bad JSON, an unknown key or field, a value of the
+            wrong type (the message names the file and the field).
+    """
+    text = path_or_json.strip()
+    where = "the inline fake NVML spec"
+    if not text.startswith("{"):
+        where = f"fake NVML spec file {path_or_json!r}"
+        try:
+            with open(path_or_json, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read it ({e.strerror or e}); give a JSON file or inline JSON") from e
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from e
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where}: must be a JSON object with keys {', '.join(_SPEC_KEYS)}")
+    unknown = sorted(set(spec) - set(_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(_SPEC_KEYS)}")
+    raw_gpus = spec.get("gpus", [])
+    if isinstance(raw_gpus, int) and not isinstance(raw_gpus, bool):
+        raw_gpus = [{} for _ in range(raw_gpus)]
+    if not isinstance(raw_gpus, list):
+        raise ValueError(f"{where}: 'gpus' must be a number or a list of objects, not {raw_gpus!r}")
+    gpus = [_gpu_from_spec(where, i, g) for i, g in enumerate(raw_gpus)]
+    fake = FakeNvml(
+        gpus,
+        init_error=_init_error(where, spec.get("init_error")),
+        driver_version=str(spec.get("driver_version", "550.54.15-fake")),
+        cuda_driver_version=_typed(where, "cuda_driver_version", spec.get("cuda_driver_version", 12040), "int | None"),
+        kernel_log=[str(x) for x in _typed(where, "kernel_log", spec.get("kernel_log", []), "list")],
+    )
+    for item in _typed(where, "xids", spec.get("xids", []), "list"):
+        if not (isinstance(item, list) and len(item) == 2 and all(_is_int(x) for x in item)):
+            raise ValueError(f"{where}: 'xids' entries must be [gpu_index, xid], not {item!r}")
+        if not 0 <= item[0] < len(gpus):
+            raise ValueError(f"{where}: 'xids' entry {item!r} names GPU {item[0]}; the spec has {len(gpus)} GPU(s)")
+        fake.inject_xid(item[0], item[1])
+    return fake
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _init_error(where: str, v: Any) -> int | None:
+    if v is None or _is_int(v):
+        return v
+    if isinstance(v, str) and v.startswith("NVML_ERROR_") and _is_int(globals().get(v)):
+        return int(globals()[v])
+    raise ValueError(f"{where}: 'init_error' must be null, an NVML error code or its name (NVML_ERROR_...), not {v!r}")
+
+
+def _typed(where: str, name: str, v: Any, kind: str) -> Any:
+    """``v`` checked against a FakeGpu annotation (or "list"), converted where JSON cannot say it."""
+    if v is None:
+        if kind.endswith("| None"):
+            return None
+        raise ValueError(f"{where}: {name!r} may not be null")
+    base = kind.removesuffix(" | None")
+    bad = ValueError(f"{where}: {name!r} must be {kind.replace('| None', 'or null')}, not {v!r}")
+    if base == "int":
+        if not _is_int(v):
+            raise bad
+        return v
+    if base in ("str", "bool"):
+        if type(v).__name__ != base:
+            raise bad
+        return v
+    if base.startswith("dict["):
+        if not isinstance(v, dict):
+            raise bad
+        try:
+            return {int(k): (list(map(int, x)) if isinstance(x, list) else int(x)) for k, x in v.items()}
+        except (TypeError, ValueError):
+            raise bad from None
+    if not isinstance(v, list):
+        raise bad
+    if base.startswith("tuple["):
+        n = base.count("int")
+        if len(v) != n or not all(_is_int(x) for x in v):
+            raise bad
+        return tuple(v)
+    if base == "list[tuple[int, int]]":
+        if not all(isinstance(x, list) and len(x) == 2 and all(_is_int(y) for y in x) for x in v):
+            raise bad
+        return [tuple(x) for x in v]
+    if base == "list[int]" and not all(_is_int(x) for x in v):
+        raise bad
+    return list(v)
+
+
+def _gpu_from_spec(where: str, index: int, raw: Any) -> FakeGpu:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: gpus[{index}] must be an object of FakeGpu fields, not {raw!r}")
+    unknown = sorted(set(raw) - set(_GPU_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"{where}: gpus[{index}]: unknown field(s) {', '.join(map(repr, unknown))}; "
+            f"allowed: {', '.join(_GPU_FIELDS)}"
+        )
+    kw = {k: _typed(where, f"gpus[{index}].{k}", v, _GPU_FIELDS[k]) for k, v in raw.items()}
+    kw.setdefault("uuid", f"GPU-fake-{index}")
+    return FakeGpu(**kw)

@@ -957,6 +957,10 @@ from ranklens.probe_cli import probe_command  # noqa: E402
 
 cli.add_command(probe_command, "probe")
 
+from ranklens.preflight_cli import preflight_command  # noqa: E402
+
+cli.add_command(preflight_command, "preflight")
+
 
 def main() -> None:
     import logging

@@ -32,7 +32,7 @@ __all__ = [
     "table",
 ]
 
-SCHEMA_VERSION = 7  # 7: the cpu table (host CPU contention, issue 21)
+SCHEMA_VERSION = 8  # 7: the cpu table (host CPU contention, issue 21); 8: the preflight table (issue 16)
 
 _SCALARS = {"Int32", "Int64", "UInt8", "UInt32", "UInt64", "Float64", "String"}
 
@@ -434,6 +434,30 @@ _table(
     ],
     ("component", "ts_ns"),
     "one row per drop-counter snapshot",
+)
+
+
+_table(
+    "preflight",
+    [
+        _c("run_id", "String", "one `ranklens preflight` run (every node of it)", required=True),
+        _c("job_id", "String", "the job it was run for (--job-id), '' none"),
+        _c("ts_ns", "Int64", "when the run started", required=True),
+        _c("host", "String", "node checked", required=True),
+        _c("check_name", "String", "check (group.what, e.g. gpu.ecc_uncorrected)", required=True),
+        _c("subject", "String", "what on the node (gpu3, a mount, an env variable), '' the node"),
+        _c("status", "String", "pass, warn, fail, skip, error", required=True),
+        _c("verdict", "String", "the node's verdict in this run: pass, warn, fail"),
+        _c("message", "String", "what was found"),
+        _c("value", "Float64", "the measured number (nan: none)"),
+        _c("unit", "String", "unit of value"),
+        _c("threshold", "String", "the limit, in words"),
+        _c("fix", "String", "what to do about a warn or fail"),
+        _c("duration_s", "Float64", "seconds the check took"),
+    ],
+    ("host", "ts_ns", "check_name"),
+    "one row per pre-flight check result (node x check x subject) of a run",
+    shard_key="cityHash64(host)",
 )
 
 

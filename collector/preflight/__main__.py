@@ -1,0 +1,5 @@
+import sys
+
+from ranklens.collector.preflight.runner import main
+
+sys.exit(main())
