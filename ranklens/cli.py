@@ -16,7 +16,7 @@ import click
 
 from ranklens import __version__
 from ranklens._cli_common import EPILOG, agent_options, errors, password_note, policy_options, store_flag, store_option
-from ranklens.config import DEFAULT_SPOOL_DIR, ENV_ALERTS_TOKEN, ENV_SPOOL
+from ranklens.config import DEFAULT_SPOOL_DIR, ENV_ALERTS_TOKEN, ENV_CHECKPOINT_PATH, ENV_SPOOL
 from ranklens.errors import NotFound
 from ranklens.errors import StoreUnavailable as StoreUnavailableError
 
@@ -823,6 +823,46 @@ def alerts_receiver(store_url: str | None, host: str, port: int) -> None:
         pass
 
 
+def _preflight_before_run(store: Any, checks_spec: str, job_id: str) -> None:
+    """``ranklens run --preflight``: check this node; print the verdict; stop (exit 11) on a failed node."""
+    import os
+
+    from ranklens.collector.preflight import Status, resolve_checks
+    from ranklens.preflight import EXIT_FAIL, PreflightPlan, report_text, run_preflight
+
+    plan = PreflightPlan(
+        checks=resolve_checks(checks_spec),
+        checkpoint_path=os.environ.get(ENV_CHECKPOINT_PATH, ""),
+        job_id=job_id,
+    )
+    report = run_preflight(plan, say=lambda s: click.echo(f"ranklens run: {s}", err=True))
+    if store is not None:
+        from ranklens.analyzers.findings import save_findings
+
+        try:
+            store.write("preflight", report.rows())
+            save_findings(store, report.findings())
+        except Exception as e:
+            click.echo(f"ranklens run: pre-flight results not stored: {e}", err=True)
+    node = report.nodes[0]
+    verdict = report.verdict(node)
+    if report.exit_code == EXIT_FAIL:
+        click.echo(report_text(report), err=True)
+        reasons = "; ".join(report.reasons(node))
+        click.echo(
+            f"ranklens run: pre-flight FAILED on {node}: {reasons}. Not starting the command "
+            "(fix the node, or run without --preflight to start anyway).",
+            err=True,
+        )
+        sys.exit(EXIT_FAIL)
+    warns = report.reasons(node, Status.WARN)
+    click.echo(
+        f"ranklens run: pre-flight {verdict.value} on {node} ({len(report.results)} results in "
+        f"{report.duration_s:.1f} s)" + (f"; warnings: {'; '.join(warns)}" if warns else ""),
+        err=True,
+    )
+
+
 @cli.command(
     epilog=_EPILOG,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
@@ -838,9 +878,30 @@ def alerts_receiver(store_url: str | None, host: str, port: int) -> None:
 )
 @click.option("--job-id", default=None, help="Job id shared by all ranks (default: generated; env RANKLENS_JOB_ID).")
 @click.option("--no-collect", is_flag=True, help="Only spool; do not ship into the store.")
+@click.option(
+    "--preflight",
+    "preflight",
+    is_flag=True,
+    help="Check this node first (`ranklens preflight`); a failed node does not start the command (exit 11).",
+)
+@click.option(
+    "--preflight-checks",
+    default="all",
+    show_default=True,
+    metavar="NAME,...",
+    help="With --preflight: the checks (names or groups, as `ranklens preflight --checks`).",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @_errors
-def run(store_url: str | None, spool_dir: str, job_id: str | None, no_collect: bool, command: tuple[str, ...]) -> None:
+def run(
+    store_url: str | None,
+    spool_dir: str,
+    job_id: str | None,
+    no_collect: bool,
+    preflight: bool,
+    preflight_checks: str,
+    command: tuple[str, ...],
+) -> None:
     """Trace an unmodified training command: ranklens run -- torchrun --nproc-per-node 4 train.py
 
     Every rank calls ranklens.tracing.init() right after init_process_group (DDP included), and
@@ -854,6 +915,8 @@ def run(store_url: str | None, spool_dir: str, job_id: str | None, no_collect: b
     from ranklens.launch import run_traced
 
     store, ship_later = (None, None) if no_collect else _open_for_run(store_url)
+    if preflight:
+        _preflight_before_run(store, preflight_checks, job_id or "")
     result = run_traced(command, store, spool_dir=spool_dir, job_id=job_id, log=lambda s: click.echo(s, err=True))
     if result.collector and result.store_error:
         ship_later = getattr(store, "url", None) or ship_later

@@ -19,10 +19,12 @@ __all__ = [
     "ENV_ALERTS_TOKEN",
     "ENV_ATTEMPT",
     "ENV_AUTOSTEP",
+    "ENV_CHECKPOINT_PATH",
     "ENV_COLLECTOR_FAULT",
     "ENV_COLLECTOR_PREFIX",
     "ENV_DDP",
     "ENV_DISABLE",
+    "ENV_FAKE_NVML",
     "ENV_FR_INTERVAL_S",
     "ENV_FR_LEDGER",
     "ENV_FR_STUCK_S",
@@ -52,6 +54,8 @@ ENV_JOB_ID = "RANKLENS_JOB_ID"
 ENV_ATTEMPT = "RANKLENS_ATTEMPT"
 ENV_DISABLE = "RANKLENS_DISABLE"  # 1: tracing off (also spelled in ranklens/_bootstrap/sitecustomize.py)
 ENV_HOST = "RANKLENS_HOST"  # this node's name (see node_name)
+ENV_CHECKPOINT_PATH = "RANKLENS_CHECKPOINT_PATH"  # the job's checkpoint directory (pre-flight storage checks)
+ENV_FAKE_NVML = "RANKLENS_FAKE_NVML"  # a JSON spec of fake GPUs the pre-flight checks read instead of NVML
 ENV_FR_LEDGER = "RANKLENS_FR_LEDGER"  # 0: no flight-recorder ring, the wrappers' own seqs only
 ENV_FR_STUCK_S = "RANKLENS_FR_STUCK_S"  # dump the ring when a collective is stuck this long
 ENV_FR_INTERVAL_S = "RANKLENS_FR_INTERVAL_S"  # also dump it every this many seconds

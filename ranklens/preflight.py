@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import sys
 import time
 import uuid
@@ -24,6 +23,7 @@ from typing import Any
 
 from ranklens.collector.preflight import CHECKS, Check, CheckResult, Context, NodeReport, Status, fleet, run_node, worst
 from ranklens.collector.preflight.runner import RESULT_TAG, context_nvml
+from ranklens.config import ENV_FAKE_NVML, node_name
 
 __all__ = ["EXIT_FAIL", "EXIT_WARN", "PreflightPlan", "PreflightReport", "run_preflight", "this_node"]
 
@@ -35,7 +35,7 @@ Launcher = Callable[[str, list[str]], list[str]]
 
 def this_node() -> str:
     """This machine's node name, as the job's records name it ($RANKLENS_HOST, else the hostname)."""
-    return os.environ.get("RANKLENS_HOST") or socket.gethostname()
+    return node_name()
 
 
 @dataclass
@@ -197,9 +197,9 @@ class PreflightReport:
 
 def _node_argv(plan: PreflightPlan, node: str, names: list[str]) -> list[str]:
     env = {"OMP_NUM_THREADS": "1", **(plan.node_env(node) if plan.node_env else {})}
-    fake = os.environ.get("RANKLENS_FAKE_NVML")
+    fake = os.environ.get(ENV_FAKE_NVML)
     if fake:
-        env["RANKLENS_FAKE_NVML"] = fake
+        env[ENV_FAKE_NVML] = fake
     argv = ["env", *(f"{k}={v}" for k, v in env.items()), plan.python, "-m", "ranklens.collector.preflight"]
     argv += ["--node", node, "--checks", ",".join(names) or "none", "--gpus", str(plan.gpus_expected)]
     argv += ["--burn", str(plan.burn_s)]

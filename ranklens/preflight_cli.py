@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from ranklens._cli_common import EPILOG, errors, policy_options, store_option
+from ranklens.config import ENV_CHECKPOINT_PATH, ENV_STORE
 from ranklens.errors import ConfigError
 
 __all__ = ["preflight_command"]
@@ -94,7 +95,7 @@ def _thresholds(items: tuple[str, ...]) -> dict[str, float]:
 )
 @click.option(
     "--checkpoint-path",
-    default=lambda: os.environ.get("RANKLENS_CHECKPOINT_PATH", ""),
+    default=lambda: os.environ.get(ENV_CHECKPOINT_PATH, ""),
     show_default="$RANKLENS_CHECKPOINT_PATH",
     help="The job's checkpoint directory: exists, free space, write speed (storage checks skip without it).",
 )
@@ -200,7 +201,7 @@ def preflight_command(
     if min_bandwidth:
         min_Bps = float(parse_bytes(min_bandwidth, "--min-bandwidth"))
     store = None
-    if store_url or os.environ.get("RANKLENS_STORE"):
+    if store_url or os.environ.get(ENV_STORE):
         from ranklens.store import open_store
 
         store = open_store(store_url)  # first: a store that is down fails before a minute of checks

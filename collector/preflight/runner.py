@@ -19,6 +19,7 @@ import traceback
 from typing import Any
 
 from ranklens.collector.preflight.api import Check, CheckResult, Context, NodeReport, Status, resolve_checks
+from ranklens.config import ENV_FAKE_NVML
 
 __all__ = ["ENV_FAKE_NVML", "RESULT_TAG", "context_nvml", "main", "run_node"]
 
@@ -26,7 +27,6 @@ RESULT_TAG = "RANKLENS-PREFLIGHT-RESULT"
 # A JSON file describing fake GPUs (see ranklens.collector.fake_nvml.from_spec): the node's checks
 # read NVML through the shipped fake instead of pynvml. For drills and tests on machines without a
 # GPU; read once, when a node run starts.
-ENV_FAKE_NVML = "RANKLENS_FAKE_NVML"
 
 
 def context_nvml(env: dict[str, str] | None = None) -> Any:

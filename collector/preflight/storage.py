@@ -33,6 +33,11 @@ def _missing(ctx: Context, name: str, path: str) -> CheckResult:
     )
 
 
+def _after_missing(ctx: Context, name: str, path: str) -> CheckResult:
+    # one cause, one failure: storage.checkpoint_path fails for a missing path, the others say so
+    return ctx.result(name, Status.SKIP, f"skipped: {path} does not exist (see storage.checkpoint_path)", subject=path)
+
+
 @check("storage.checkpoint_path", "the checkpoint directory exists, is a directory and is writable")
 def checkpoint_path(ctx: Context) -> list[CheckResult]:
     p = ctx.checkpoint_path
@@ -62,7 +67,7 @@ def checkpoint_space(ctx: Context) -> list[CheckResult]:
     if not p:
         return _no_path(ctx, "storage.checkpoint_space")
     if not Path(p).is_dir():
-        return [_missing(ctx, "storage.checkpoint_space", p)]
+        return [_after_missing(ctx, "storage.checkpoint_space", p)]
     free = shutil.disk_usage(p).free / GIB
     warn, fail = ctx.limit("checkpoint_warn_gib", 50.0), ctx.limit("checkpoint_fail_gib", 5.0)
     status = Status.FAIL if free < fail else Status.WARN if free < warn else Status.PASS
@@ -86,7 +91,7 @@ def checkpoint_write(ctx: Context) -> list[CheckResult]:
     if not p:
         return _no_path(ctx, "storage.checkpoint_write")
     if not Path(p).is_dir():
-        return [_missing(ctx, "storage.checkpoint_write", p)]
+        return [_after_missing(ctx, "storage.checkpoint_write", p)]
     nbytes = int(ctx.limit("checkpoint_write_mib", 64)) * MIB
     target = Path(p) / f".ranklens-preflight-{uuid.uuid4().hex}"
     chunk = os.urandom(4 * MIB)  # incompressible: a compressing file system must not flatter the figure

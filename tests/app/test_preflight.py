@@ -201,3 +201,22 @@ def test_on_the_netbed_the_cross_node_check_names_the_throttled_node(tmp_path):
     assert all(pb[n]["status"] != "fail" for n in nodes if n != nodes[2]), pb
     assert doc["blacklist"] == [nodes[2]]
     assert all(x["status"] == "pass" for x in _by_check(doc, "net.allreduce"))
+
+
+def test_run_with_preflight_does_not_start_the_command_on_a_failed_node(tmp_path):
+    marker = tmp_path / "started"
+    cmd = [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('x')"]
+    base = [RANKLENS, "run", "--no-collect", "--spool", str(tmp_path / "spool"), "--preflight"]
+    env = {k: v for k, v in os.environ.items() if k != "RANKLENS_STORE"}
+    bad = subprocess.run(
+        [*base, "--preflight-checks", "storage.checkpoint_path,host.cpus", "--", *cmd],
+        capture_output=True, text=True, timeout=120, env={**env, "RANKLENS_CHECKPOINT_PATH": str(tmp_path / "nope")},
+    )  # fmt: skip
+    assert bad.returncode == 11 and not marker.exists(), bad.stderr
+    assert "pre-flight FAILED" in bad.stderr and "does not exist" in bad.stderr
+    good = subprocess.run(
+        [*base, "--preflight-checks", "storage.checkpoint_path,host.cpus", "--", *cmd],
+        capture_output=True, text=True, timeout=120, env={**env, "RANKLENS_CHECKPOINT_PATH": str(tmp_path)},
+    )  # fmt: skip
+    assert good.returncode == 0 and marker.exists(), good.stderr
+    assert "pre-flight" in good.stderr
