@@ -18,6 +18,7 @@ from ranklens.analyzers.detectors import StragglerDetector
 from ranklens.analyzers.findings import Finding
 from ranklens.analyzers.links import find_slow_links
 from ranklens.analyzers.live_hangs import HangConfig, detect_live_hangs
+from ranklens.analyzers.preflight_notes import annotate_preflight
 from ranklens.analyzers.straggler import find_stragglers
 from ranklens.store.api import Store
 
@@ -49,7 +50,8 @@ def analyze_job(
     # GPU events and classified log errors around each finding: the earliest is the likely origin
     # stragglers and slow links ranked together by what they cost the job
     ranked = sorted(stragglers + links, key=lambda f: (-f.impact_s, f.id))
-    return correlate_findings(store, hangs + ranked)
+    # a node that was marginal at pre-flight: the finding says so
+    return annotate_preflight(store, correlate_findings(store, hangs + ranked))
 
 
 @dataclass
