@@ -25,7 +25,17 @@ from ranklens.collector.preflight import CHECKS, Check, CheckResult, Context, No
 from ranklens.collector.preflight.runner import RESULT_TAG, context_nvml
 from ranklens.config import ENV_FAKE_NVML, node_name
 
-__all__ = ["EXIT_FAIL", "EXIT_WARN", "PreflightPlan", "PreflightReport", "run_preflight", "this_node"]
+__all__ = [
+    "EXIT_FAIL",
+    "EXIT_WARN",
+    "PreflightPlan",
+    "PreflightReport",
+    "report_text",
+    "run_preflight",
+    "this_node",
+    "write_blacklist",
+    "write_metrics",
+]
 
 EXIT_WARN = 10
 EXIT_FAIL = 11
@@ -482,3 +492,52 @@ def write_blacklist(report: PreflightReport, path: str) -> None:
         else:
             f.write("".join(f"{n}\n" for n in report.blacklist))
     os.replace(tmp, path)
+
+
+STATUS_CODE = {Status.PASS: 0, Status.WARN: 1, Status.FAIL: 2, Status.ERROR: 3, Status.SKIP: -1}
+
+
+def write_metrics(report: PreflightReport, path: str) -> None:
+    """The report as Prometheus metrics in the text format, written atomically to ``path``: the
+    file node_exporter's textfile collector reads (``--collector.textfile.directory``), so the
+    verdicts are scraped, graphed and alerted on like the collector's own metrics.
+
+    ``ranklens_preflight_node_verdict`` (0 pass, 1 warn, 2 fail), ``ranklens_preflight_check_status``
+    per node x check x subject (0 pass, 1 warn, 2 fail, 3 error, -1 skip), the measured
+    ``ranklens_preflight_value``, and the run's time and duration."""
+    try:
+        from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+    except ImportError:
+        from ranklens.errors import ConfigError
+
+        raise ConfigError("--metrics-file needs prometheus-client: pip install 'ranklens[collector]'") from None
+    reg = CollectorRegistry()
+    verdict = Gauge(
+        "ranklens_preflight_node_verdict",
+        "Node verdict of the last pre-flight run: 0 pass, 1 warn, 2 fail",
+        ["node"],
+        registry=reg,
+    )
+    status = Gauge(
+        "ranklens_preflight_check_status",
+        "Pre-flight check result: 0 pass, 1 warn, 2 fail, 3 error, -1 skip",
+        ["node", "check", "subject"],
+        registry=reg,
+    )
+    value = Gauge(
+        "ranklens_preflight_value",
+        "The number a pre-flight check measured",
+        ["node", "check", "subject", "unit"],
+        registry=reg,
+    )
+    when = Gauge("ranklens_preflight_last_run_timestamp_seconds", "When the pre-flight run started", registry=reg)
+    took = Gauge("ranklens_preflight_duration_seconds", "How long the pre-flight run took", registry=reg)
+    for n, v in report.verdicts.items():
+        verdict.labels(n).set(STATUS_CODE[v])
+    for r in report.results:
+        status.labels(r.node, r.check, r.subject).set(STATUS_CODE[r.status])
+        if r.value == r.value and abs(r.value) != float("inf"):
+            value.labels(r.node, r.check, r.subject, r.unit).set(r.value)
+    when.set(report.started_ns / 1e9)
+    took.set(report.duration_s)
+    write_to_textfile(path, reg)

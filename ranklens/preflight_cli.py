@@ -128,6 +128,12 @@ def _thresholds(items: tuple[str, ...]) -> dict[str, float]:
 @click.option(
     "--min-bandwidth", default=None, metavar="BYTES/S", help="Expected floor of a node pair's bandwidth, e.g. 1GB."
 )
+@click.option(
+    "--metrics-file",
+    default=None,
+    metavar="FILE.prom",
+    help="Write the results as Prometheus metrics (text format) for node_exporter's textfile collector.",
+)
 @click.option("--job-id", default="", help="The job this check is for (stored with the results and findings).")
 @click.option(
     "--timeout",
@@ -159,6 +165,7 @@ def preflight_command(
     probe_size: str,
     probe_iters: int,
     min_bandwidth: str | None,
+    metrics_file: str | None,
     job_id: str,
     timeout_s: float,
     python: str | None,
@@ -173,7 +180,7 @@ def preflight_command(
     bandwidth of a ring of node pairs. Prints a verdict per node; exit 0 pass, 10 warnings, 11 a
     node failed."""
     from ranklens.collector.preflight import resolve_checks
-    from ranklens.preflight import PreflightPlan, report_text, run_preflight, write_blacklist
+    from ranklens.preflight import PreflightPlan, report_text, run_preflight, write_blacklist, write_metrics
 
     checks = resolve_checks(checks_spec)
     if list_checks:
@@ -226,6 +233,8 @@ def preflight_command(
     report = run_preflight(plan, say=(lambda s: click.echo(s, err=True)) if talk else (lambda s: None))
     if blacklist_path:
         write_blacklist(report, blacklist_path)
+    if metrics_file:
+        write_metrics(report, metrics_file)
     recovery = None
     if store is not None:
         from ranklens.analyzers.findings import save_findings

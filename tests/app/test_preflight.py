@@ -220,3 +220,30 @@ def test_run_with_preflight_does_not_start_the_command_on_a_failed_node(tmp_path
     )  # fmt: skip
     assert good.returncode == 0 and marker.exists(), good.stderr
     assert "pre-flight" in good.stderr
+
+
+def test_the_results_are_prometheus_metrics_for_the_textfile_collector(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prom = tmp_path / "preflight.prom"
+    spec = _spec(tmp_path, [{"uuid": "GPU-0"}, {"uuid": "GPU-1", "temp_c": 99}])
+    r = _run(
+        ["--checks", "gpu,host.cpus", "--metrics-file", str(prom)],
+        env={"RANKLENS_FAKE_NVML": spec, "RANKLENS_HOST": "n7"},
+    )
+    assert r.returncode == 11, r.stderr
+    fams = {f.name: f for f in text_string_to_metric_families(prom.read_text())}
+    (verdict,) = fams["ranklens_preflight_node_verdict"].samples
+    assert verdict.labels == {"node": "n7"} and verdict.value == 2
+    status = {
+        (s.labels["check"], s.labels["subject"]): s.value for s in fams["ranklens_preflight_check_status"].samples
+    }
+    assert status[("gpu.temperature", "gpu1")] == 2 and status[("gpu.temperature", "gpu0")] == 0
+    assert status[("gpu.compute_burn", "")] == -1  # no CUDA: skip, never a pass
+    temps = {
+        s.labels["subject"]: s.value
+        for s in fams["ranklens_preflight_value"].samples
+        if s.labels["check"] == "gpu.temperature"
+    }
+    assert temps == {"gpu0": 35.0, "gpu1": 99.0}
+    assert fams["ranklens_preflight_last_run_timestamp_seconds"].samples[0].value > 1.7e9
