@@ -265,10 +265,20 @@ def _run_nodes(
             doc = w.result()
             if doc is None:
                 failed[n] = f"the node's checks exited {w.proc.returncode} without a report: {w.output()[-600:]}"
-            else:
-                reports[n] = NodeReport.from_json(doc)
-                bad = sum(1 for r in reports[n].results if r.status is Status.FAIL)
-                say(f"preflight: {n} checked in {reports[n].duration_s:.1f} s ({bad} failed)")
+                continue
+            try:
+                got = NodeReport.from_json(doc)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                failed[n] = f"the node's report is malformed ({type(e).__name__}: {e}); another ranklens version there?"
+                continue
+            if names and not got.results:
+                failed[n] = "the node's report has no results"
+                continue
+            # filed under the name it was launched as, whatever the node calls itself
+            results = tuple(dataclasses.replace(x, node=n) for x in got.results)
+            reports[n] = dataclasses.replace(got, node=n, results=results)
+            bad = sum(1 for r in results if r.status is Status.FAIL)
+            say(f"preflight: {n} checked in {got.duration_s:.1f} s ({bad} failed)")
         time.sleep(0.02)
     for n, w in pending.items():
         w.stop()
@@ -288,17 +298,23 @@ def _run_nodes(
 def _probe(plan: PreflightPlan, reachable: list[str], reports: list[NodeReport], wanted: set[str]) -> list[CheckResult]:
     from ranklens.analyzers.probe import ProbeError, ProbePair, local_launcher, run_probe
 
-    launcher = plan.launcher or local_launcher
+    launcher: Callable[[str, list[str]], list[str]] = plan.launcher or local_launcher
+    base_launcher: Callable[[str, list[str]], list[str]]
     single = len(reachable) == 1
     if single:  # one node: two processes on it, over its loopback
         n = reachable[0]
         pairs_nodes = [(f"{n}#0", f"{n}#1")]
         addresses = {f"{n}#0": "127.0.0.1", f"{n}#1": "127.0.0.1"}
 
-        def base_launcher(node: str, argv: list[str]) -> list[str]:
+        def _split_launcher(node: str, argv: list[str]) -> list[str]:
             return launcher(node.partition("#")[0], argv)
 
-        node_env = (lambda node: plan.node_env(node.partition("#")[0])) if plan.node_env else None
+        base_launcher = _split_launcher
+
+        node_env: Callable[[str], dict[str, str]] | None = None
+        plan_env = plan.node_env
+        if plan_env is not None:
+            node_env = lambda node: plan_env(node.partition("#")[0])  # noqa: E731
     else:
         pairs_nodes = fleet.ring_pairs(reachable)
         addresses = {x: plan.addresses.get(x, "127.0.0.1" if plan.launcher is None else x) for x in reachable}
@@ -307,7 +323,10 @@ def _probe(plan: PreflightPlan, reachable: list[str], reports: list[NodeReport],
     gpu_nodes = all(
         int(r.facts.get("gpu_count") or 0) > 0 and (r.facts.get("software") or {}).get("torch_cuda") for r in reports
     )
-    backend = "nccl" if gpu_nodes and reports else "gloo"
+    boots = [r.facts.get("boot_id") or r.node for r in reports]
+    # NCCL refuses two ranks on one GPU: processes that share a machine (one node split in two,
+    # nodes that are namespaces of one host) measure over gloo
+    backend = "nccl" if gpu_nodes and reports and not single and len(set(boots)) == len(boots) else "gloo"
     try:
         rep = run_probe(
             [ProbePair(a, b, "survey") for a, b in pairs_nodes],
@@ -368,11 +387,11 @@ def _probe(plan: PreflightPlan, reachable: list[str], reports: list[NodeReport],
             import numpy as np
 
             pb = []
-            for a, b in pairs_nodes:
-                times = [t for r in rep.results if {r.src, r.dst} == {a, b} for t in r.iter_seconds]
-                nbytes = next((r.nbytes for r in rep.results if {r.src, r.dst} == {a, b}), plan.probe_bytes)
+            for src, dst in pairs_nodes:
+                times = [t for r in rep.results if {r.src, r.dst} == {src, dst} for t in r.iter_seconds]
+                nbytes = next((r.nbytes for r in rep.results if {r.src, r.dst} == {src, dst}), plan.probe_bytes)
                 t = float(np.median(times)) if times else float("inf")
-                pb.append(fleet.PairBandwidth(a, b, nbytes / t if t > 0 else float("inf")))
+                pb.append(fleet.PairBandwidth(src, dst, nbytes / t if t > 0 else float("inf")))
             out += fleet.pair_bandwidth(reachable, pb, slow_ratio=plan.slow_ratio, min_Bps=plan.min_Bps)
     return out
 

@@ -25,6 +25,8 @@ PREFLIGHT_EPILOG = (
 def _nodes(spec: str | None) -> list[str]:
     if not spec:
         return []
+    if os.path.isdir(spec):
+        raise ConfigError(f"--nodes {spec!r} is a directory; give a file with one node per line, or a,b,c")
     if os.path.isfile(spec):
         text = Path(spec).read_text()
         names = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
@@ -34,6 +36,10 @@ def _nodes(spec: str | None) -> list[str]:
         names = [x.strip() for x in spec.split(",")]
     out: list[str] = []
     for n in names:
+        if n and (n.startswith("-") or any(c.isspace() or c in "'\"$`;|&<>{}" for c in n)):
+            raise ConfigError(
+                f"--nodes: {n!r} is not a node name (no spaces, quotes or shell characters, no leading -)"
+            )
         if n and n not in out:
             out.append(n)
     if not out:
@@ -189,6 +195,12 @@ def preflight_command(
         return
     if act and not policy_file:
         raise click.UsageError("--act needs --policy FILE (or RANKLENS_POLICY)")
+    if act and not (store_url or os.environ.get(ENV_STORE)):
+        raise click.UsageError("--act needs a store (--store or RANKLENS_STORE): the policy reads findings there")
+    for opt, path in (("--blacklist", blacklist_path), ("--metrics-file", metrics_file)):
+        # checked before a minute of checks, not after
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            raise ConfigError(f"{opt} {path!r}: its directory does not exist or is not writable")
     nodes = _nodes(nodes_spec)
     addr: dict[str, str] = {}
     for a in addresses:
@@ -204,6 +216,8 @@ def preflight_command(
     from ranklens.collector.shipper import parse_bytes
 
     probe_bytes = int(parse_bytes(probe_size, "--bytes"))
+    if probe_bytes < 4:
+        raise ConfigError(f"--bytes {probe_size!r}: at least 4 bytes (one float32) per send")
     min_Bps = 0.0
     if min_bandwidth:
         min_Bps = float(parse_bytes(min_bandwidth, "--min-bandwidth"))
@@ -251,8 +265,6 @@ def preflight_command(
                 recovery = engine.process(findings).to_json()
             finally:
                 engine.close()
-    elif act:
-        raise click.UsageError("--act needs a store (--store or RANKLENS_STORE): the policy reads findings there")
     if as_json:
         doc = report.to_json()
         if store is not None:
@@ -265,6 +277,12 @@ def preflight_command(
         if blacklist_path:
             click.echo(f"blacklist: {len(report.blacklist)} node(s) written to {blacklist_path}")
         if store is not None:
+            import shlex
+
+            from ranklens._cli_common import password_note, store_flag
+
             q = f"SELECT host, check_name, subject, status, message FROM preflight WHERE run_id = '{report.run_id}'"
-            click.echo(f'stored as run {report.run_id}: ranklens sql --store {store.url} "{q}"')
+            click.echo(f"stored as run {report.run_id}: ranklens sql{store_flag(store.url)} {shlex.quote(q)}")
+            if note := password_note(store.url):
+                click.echo(note)
     sys.exit(report.exit_code)

@@ -33,6 +33,10 @@ def _launcher(spec: str) -> Any:
         return lambda node, argv: ["ssh", "-o", "BatchMode=yes", node, "--", shlex.join(argv)]
     if "{node}" not in spec:
         raise ConfigError(f"--launcher {spec!r}: use local, ssh, or a command template with {{node}}")
+    try:
+        shlex.split(spec)
+    except ValueError as e:
+        raise ConfigError(f"--launcher {spec!r}: {e} (it is split like a shell command line)") from None
     return lambda node, argv: shlex.split(spec.replace("{node}", shlex.quote(node))) + argv
 
 

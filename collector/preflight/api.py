@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -82,7 +83,7 @@ class CheckResult:
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["status"] = self.status.value
-        d["value"] = None if self.value != self.value else self.value
+        d["value"] = self.value if math.isfinite(self.value) else None  # JSON has no NaN or Infinity
         return d
 
     @classmethod

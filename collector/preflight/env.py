@@ -391,7 +391,7 @@ def hostname(ctx: Context) -> list[CheckResult]:
                 fix="add it to DNS or /etc/hosts: rendezvous and gloo look the node up by name",
             )
         ]
-    addrs = sorted({i[4][0] for i in infos})
+    addrs = sorted({str(i[4][0]) for i in infos})
     loop = all(a.startswith("127.") or a == "::1" for a in addrs)
     pinned = bool(_env(ctx).get("GLOO_SOCKET_IFNAME") or _env(ctx).get("NCCL_SOCKET_IFNAME"))
     status = Status.WARN if loop and not pinned else Status.PASS

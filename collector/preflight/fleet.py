@@ -74,14 +74,42 @@ def software_consistency(reports: Sequence[NodeReport]) -> list[CheckResult]:
     if len(reports) < 2:
         return [_result(r.node, name, Status.SKIP, "skipped: one node, nothing to compare") for r in reports]
     sw = {r.node: dict(r.facts.get("software") or {}) for r in reports}
+    if not any(sw.values()):
+        return [
+            _result(r.node, name, Status.SKIP, "skipped: no versions reported (run the software and gpu checks too)")
+            for r in reports
+        ]
     majority: dict[str, str] = {}
+    split: dict[str, str] = {}
     for key in CONSISTENT:
         values = Counter(str(v[key]) for v in sw.values() if key in v)
-        if values:
-            majority[key] = values.most_common(1)[0][0]
+        if not values:
+            continue
+        (top, n), *rest = values.most_common()
+        if rest and rest[0][1] == n:  # a tie: no majority to blame anyone against
+            split[key] = ", ".join(f"{v} on {c}" for v, c in values.most_common())
+        else:
+            majority[key] = top
     out = []
     for r in reports:
         mine = sw[r.node]
+        if split:
+            status = Status.FAIL if any(CONSISTENT[k] is Status.FAIL for k in split) else Status.WARN
+            out.append(
+                _result(
+                    r.node,
+                    name,
+                    status,
+                    "no majority version: "
+                    + "; ".join(f"{k}: {v} node(s)" for k, v in split.items())
+                    + " (this node: "
+                    + ", ".join(f"{k} {mine.get(k, '?')}" for k in split)
+                    + ")",
+                    threshold="== majority",
+                    fix="install one set of versions on every node (one image for the fleet)",
+                )
+            )
+            continue
         diffs = [(k, str(mine[k]), majority[k]) for k in majority if k in mine and str(mine[k]) != majority[k]]
         missing = [k for k in majority if k not in mine and CONSISTENT[k] is Status.FAIL]
         statuses = [CONSISTENT[k] for k, _, _ in diffs] + [Status.WARN for _ in missing]
@@ -158,7 +186,7 @@ def compute_vs_fleet(
     name = "fleet.compute"
     out: list[CheckResult] = []
     cpu = {r.node: float(r.facts["cpu_gflops"]) for r in reports if r.facts.get("cpu_gflops")}
-    boots = {r.facts.get("boot_id") for r in reports if r.node in cpu}
+    boots = {r.facts.get("boot_id") or r.node for r in reports if r.node in cpu}  # no boot id: assume its own machine
     gpus = {(r.node, g): float(v) for r in reports for g, v in sorted((r.facts.get("gpu_tflops") or {}).items()) if v}
 
     def judge(value: float, median: float) -> Status:
@@ -272,9 +300,12 @@ def pair_bandwidth(
     if len(pairs) == 1:
         culprits = set()
     slow_links = [p for p in pairs if p.Bps < limit and p.a not in culprits and p.b not in culprits]
-    thr = f">= {limit / 1e6:.0f} MB/s (1/{slow_ratio:g} of the median node's best pair, {ref / 1e6:.0f} MB/s" + (
-        f"; floor {min_Bps / 1e6:.0f} MB/s)" if min_Bps else ")"
-    )
+    if len(pairs) == 1:
+        thr = f">= {min_Bps / 1e6:.0f} MB/s (--min-bandwidth; one pair has nothing to compare with)"
+    else:
+        thr = f">= {limit / 1e6:.0f} MB/s (1/{slow_ratio:g} of the median node's best pair, {ref / 1e6:.0f} MB/s" + (
+            f"; floor {min_Bps / 1e6:.0f} MB/s)" if min_Bps else ")"
+        )
 
     def mbps(p: PairBandwidth) -> str:
         return f"{p.a}<->{p.b} {p.Bps / 1e6:.1f} MB/s"

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         burn_s=args.burn,
         thresholds=thresholds,
     )
-    report = run_node(ctx, resolve_checks(args.checks))
+    # "none": the coordinator wants only the node's facts (it runs fleet/net checks alone)
+    report = run_node(ctx, [] if args.checks == "none" else resolve_checks(args.checks))
     report.facts["clock_ns"] = time.time_ns()  # as late as possible: fleet.clock_offset compares it on arrival
     print(f"{RESULT_TAG} {json.dumps(report.to_json(), separators=(',', ':'))}", flush=True)
     return 0
