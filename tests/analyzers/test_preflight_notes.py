@@ -38,7 +38,7 @@ def test_a_straggler_on_a_node_that_ran_hot_at_preflight_says_so(tmp_path):
     _store_preflight(url, "node0001", {"gpus": 2}, 3600)  # healthy: no note
     sim = subprocess.run(
         [RANKLENS, "simulate", "--store", url, "--ranks", "16", "--steps", "40", "--fault", "slow_gpu:5:1.5@10"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,  # its truth file lands in cwd
     )  # fmt: skip
     assert sim.returncode == 0, sim.stderr
     r = subprocess.run([RANKLENS, "analyze", "--store", url, "--json"], capture_output=True, text=True, timeout=300)
