@@ -107,6 +107,9 @@ class Context:
         burn_s: seconds of compute burn per device (CPU matmul, CUDA matmul).
         thresholds: overrides of the checks' default limits, by name (``memory_available_gib``...).
         clock: wall clock (ns), injected for tests.
+        check_timeout_s: a check still running after this many seconds (plus 10 x ``burn_s``, for the
+            burns) is reported as an error and the run goes on: a hung filesystem or driver cannot
+            hold the node's pre-flight (or the ``ranklens run --preflight`` before a job) forever.
     """
 
     node: str
@@ -117,6 +120,7 @@ class Context:
     burn_s: float = 1.0
     thresholds: dict[str, float] = field(default_factory=dict)
     clock: Callable[[], int] = time.time_ns
+    check_timeout_s: float = 30.0
     # what the fleet checks compare across nodes (versions, burn rates), filled by the checks
     facts: dict[str, Any] = field(default_factory=dict)
     # shared between checks of one run (the NVML devices, found once)

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -56,18 +57,7 @@ def run_node(ctx: Context, checks: list[Check] | None = None) -> NodeReport:
         if c.scope != "node" or c.fn is None:
             continue
         t0 = time.perf_counter()
-        try:
-            got = list(c.fn(ctx))
-        except Exception as e:  # a check must not stop the others; say which broke, and how
-            tb = traceback.extract_tb(e.__traceback__)[-1]
-            got = [
-                ctx.result(
-                    c.name,
-                    Status.ERROR,
-                    f"the check could not run: {type(e).__name__}: {e} ({os.path.basename(tb.filename)}:{tb.lineno})",
-                    fix="report this with the message; the other checks ran",
-                )
-            ]
+        got = _run_check(c, ctx)
         if not got:
             got = [ctx.result(c.name, Status.SKIP, "skipped: nothing to check on this node")]
         dt = time.perf_counter() - t0
@@ -75,6 +65,46 @@ def run_node(ctx: Context, checks: list[Check] | None = None) -> NodeReport:
     _shutdown_nvml(ctx)
     ctx.facts.setdefault("clock_ns", ctx.clock())
     return NodeReport(ctx.node, tuple(results), dict(ctx.facts), started, round(time.perf_counter() - t_start, 3))
+
+
+def _run_check(c: Check, ctx: Context) -> list[CheckResult]:
+    """One check's results, run on a daemon thread so that one stuck in the kernel (a hung NFS
+    ``stat``, an NVML call on a wedged GPU) is reported after its timeout instead of holding the run;
+    an exception becomes an ``error`` result naming the check and the exception."""
+    out: list[Any] = []
+
+    def target() -> None:
+        try:
+            out.append(list(c.fn(ctx) if c.fn is not None else []))
+        except Exception as e:  # a check must not stop the others; say which broke, and how
+            tb = traceback.extract_tb(e.__traceback__)[-1]
+            out.append(
+                [
+                    ctx.result(
+                        c.name,
+                        Status.ERROR,
+                        f"the check could not run: {type(e).__name__}: {e} "
+                        f"({os.path.basename(tb.filename)}:{tb.lineno})",
+                        fix="report this with the message; the other checks ran",
+                    )
+                ]
+            )
+
+    limit = ctx.check_timeout_s + 10 * ctx.burn_s
+    th = threading.Thread(target=target, name=f"ranklens-preflight-{c.name}", daemon=True)
+    th.start()
+    th.join(limit)
+    if out:
+        return list(out[0])
+    return [
+        ctx.result(
+            c.name,
+            Status.ERROR,
+            f"did not finish within {limit:g} s (left running): a hung filesystem, driver or device?",
+            threshold=f"finishes within {limit:g} s",
+            fix="look for processes in state D (ps -eo pid,stat,wchan,cmd) and the kernel log (dmesg) on this node",
+        )
+    ]
 
 
 def _timed(r: CheckResult, dt: float) -> CheckResult:

@@ -96,3 +96,31 @@ def test_resolve_checks_takes_names_groups_and_all():
     assert len(every) >= 40 and len({c.name for c in every}) == len(every)
     assert {c.name for c in resolve_checks("net")} == {"net.reachable", "net.allreduce", "net.pair_bandwidth"}
     assert [c.name for c in resolve_checks("host.cpus,host.cpus")] == ["host.cpus"]
+
+
+def test_a_check_stuck_in_the_kernel_is_reported_after_its_timeout_and_the_run_goes_on():
+    import threading
+    import time
+
+    from ranklens.collector.preflight import Check, Context
+    from ranklens.collector.preflight.runner import run_node
+
+    release = threading.Event()
+
+    def stuck(ctx):  # a stat on a hung NFS mount: never returns on its own
+        release.wait()
+        return []
+
+    def fine(ctx):
+        return [ctx.result("t.fine", Status.PASS, "ok")]
+
+    ctx = Context(node="n0", check_timeout_s=0.3, burn_s=0.0)
+    t0 = time.monotonic()
+    try:
+        report = run_node(ctx, [Check("t.stuck", "", stuck), Check("t.fine", "", fine)])
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 10
+    by = {r.check: r for r in report.results}
+    assert by["t.stuck"].status is Status.ERROR and "did not finish within 0.3 s" in by["t.stuck"].message
+    assert by["t.fine"].status is Status.PASS  # the checks after it still ran
