@@ -5,6 +5,7 @@ bench/ddp_overhead_bench.py runs it under plain torchrun and under ``ranklens ru
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -31,6 +32,10 @@ def main() -> None:
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
     model = DDP(torch.nn.Sequential(*layers).to(dev), bucket_cap_mb=4)  # several buckets a step
+    if os.environ.get("DDP_TRAIN_PY_HOOK") == "1":  # torch's own Python all-reduce hook (for comparison)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(args.batch, args.width, device=dev)
     times = []

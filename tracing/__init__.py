@@ -296,13 +296,16 @@ def allreduce_hook(process_group, bucket):
     import torch.distributed as dist
 
     group = process_group if process_group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    buf = bucket.buffer()
+    # divided before, as torch's own all-reduce hook does: on the calling thread, while earlier
+    # buckets are in flight, not in the completion callback after the wait
+    buf.div_(dist.get_world_size(group))
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    return work.get_future().then(_first)
 
-    def average(fut: Any) -> Any:
-        return fut.value()[0].div_(world)
 
-    return work.get_future().then(average)
+def _first(fut):
+    return fut.value()[0]
 
 
 def instrument_ddp(model: Any, process_group: Any = None) -> Any:
