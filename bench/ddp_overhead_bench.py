@@ -49,8 +49,10 @@ def run_once(mode: str, args: argparse.Namespace, tmp: Path) -> tuple[float, flo
     if mode == "torchrun, FR off":
         env["TORCH_FR_BUFFER_SIZE"] = "0"
         cmd = torchrun
-    elif mode == "torchrun, FR on":
+    elif mode in ("torchrun, FR on", "torchrun + torch's hook"):
         env["TORCH_FR_BUFFER_SIZE"] = env.get("TORCH_FR_BUFFER_SIZE") or "2000"
+        if mode == "torchrun + torch's hook":  # torch's own Python all-reduce hook: what any hook costs
+            env["DDP_TRAIN_PY_HOOK"] = "1"
         cmd = torchrun
     else:
         spool = tmp / f"spool-{time.monotonic_ns()}"
@@ -75,12 +77,17 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--no-hook-mode", action="store_true", help="also time ranklens run with RANKLENS_DDP=0")
+    ap.add_argument(
+        "--torch-hook-mode", action="store_true", help="also time plain torchrun with torch's own all-reduce hook"
+    )
     args = ap.parse_args()
     if args.rounds < 3:
         ap.error("--rounds must be at least 3")
     modes = ["torchrun, FR on", "ranklens run", "torchrun, FR off"]
     if args.no_hook_mode:
         modes.append("ranklens run, no DDP hook")
+    if args.torch_hook_mode:
+        modes.append("torchrun + torch's hook")
     steps: dict[str, list[float]] = {m: [] for m in modes}
     walls: dict[str, list[float]] = {m: [] for m in modes}
     tmp = Path(tempfile.mkdtemp(prefix="ranklens-ddp-bench-"))
