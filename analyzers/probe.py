@@ -248,9 +248,15 @@ class _Worker:
     def output(self) -> str:
         return "\n".join(self.lines)[-2000:]
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 2.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``: a launcher (ssh, srun) given the chance to exit
+        closes its session, so the remote worker is hung up on instead of left running."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
         self.proc.wait()
         for t in self._threads:
             t.join(timeout=5)

@@ -233,6 +233,37 @@ def _unreachable(node: str, why: str) -> NodeReport:
     return NodeReport(node, (r,), {})
 
 
+REPORT_GRACE_S = 5.0  # how long a launcher may linger after its node's report arrived
+
+
+def _take_report(
+    n: str,
+    w: Any,
+    reports: dict[str, NodeReport],
+    failed: dict[str, str],
+    names: list[str],
+    say: Callable[[str], None],
+) -> None:
+    """File node ``n``'s report from its worker ``w`` into ``reports``, or why not into ``failed``."""
+    doc = w.result()
+    if doc is None:
+        failed[n] = f"the node's checks exited {w.proc.returncode} without a report: {w.output()[-600:]}"
+        return
+    try:
+        got = NodeReport.from_json(doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        failed[n] = f"the node's report is malformed ({type(e).__name__}: {e}); another ranklens version there?"
+        return
+    if names and not got.results:
+        failed[n] = "the node's report has no results"
+        return
+    # filed under the name it was launched as, whatever the node calls itself
+    results = tuple(dataclasses.replace(x, node=n) for x in got.results)
+    reports[n] = dataclasses.replace(got, node=n, results=results)
+    bad = sum(1 for r in results if r.status is Status.FAIL)
+    say(f"preflight: {n} checked in {got.duration_s:.1f} s ({bad} failed)")
+
+
 def _run_nodes(
     plan: PreflightPlan, names: list[str], say: Callable[[str], None]
 ) -> tuple[list[NodeReport], dict[str, int]]:
@@ -252,37 +283,30 @@ def _run_nodes(
     received: dict[str, int] = {}
     reports: dict[str, NodeReport] = {}
     pending = dict(workers)
+    seen: dict[str, float] = {}  # node -> monotonic time its report arrived
     while pending and time.monotonic() < deadline:
         for n, w in list(pending.items()):
             if w.proc.poll() is None and w.result() is None:
                 continue
             if w.result() is not None and n not in received:
                 received[n] = time.time_ns()
+                seen[n] = time.monotonic()
             if w.proc.poll() is None:
-                continue
-            w.wait(deadline)
+                if time.monotonic() - seen[n] < REPORT_GRACE_S:
+                    continue
+                w.stop()  # the report is in; a launcher that lingers after it (ssh teardown) is let go
+            else:
+                w.wait(deadline)
             del pending[n]
-            doc = w.result()
-            if doc is None:
-                failed[n] = f"the node's checks exited {w.proc.returncode} without a report: {w.output()[-600:]}"
-                continue
-            try:
-                got = NodeReport.from_json(doc)
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
-                failed[n] = f"the node's report is malformed ({type(e).__name__}: {e}); another ranklens version there?"
-                continue
-            if names and not got.results:
-                failed[n] = "the node's report has no results"
-                continue
-            # filed under the name it was launched as, whatever the node calls itself
-            results = tuple(dataclasses.replace(x, node=n) for x in got.results)
-            reports[n] = dataclasses.replace(got, node=n, results=results)
-            bad = sum(1 for r in results if r.status is Status.FAIL)
-            say(f"preflight: {n} checked in {got.duration_s:.1f} s ({bad} failed)")
+            _take_report(n, w, reports, failed, names, say)
         time.sleep(0.02)
     for n, w in pending.items():
         w.stop()
         failed[n] = f"no report within --timeout {plan.timeout_s:g} s: {w.output()[-600:]}"
+        # (a report that arrived in the last REPORT_GRACE_S before the deadline is still taken)
+        if w.result() is not None:
+            failed.pop(n)
+            _take_report(n, w, reports, failed, names, say)
     out = []
     for n in plan.nodes:
         if n in reports:

@@ -116,6 +116,23 @@ def test_an_unreachable_node_fails_and_lands_on_the_blacklist_while_the_others_a
     assert got["nodes"] == ["ghost"] and "unreachable" in got["reasons"]["ghost"][0]
 
 
+@pytest.mark.e2e
+def test_a_launcher_that_lingers_after_the_report_does_not_lose_it_or_hold_the_run(tmp_path):
+    import time
+
+    script = tmp_path / "sticky-ssh"  # an ssh whose session stays open after the remote command ended
+    script.write_text('#!/bin/sh\nnode=$1; shift\n"$@"\nexec sleep 60\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    t0 = time.monotonic()
+    r = _run(
+        ["--nodes", "n1", "--launcher", f"{script} {{node}}", "--checks", "host.cpus", "--json", "--timeout", "50"]
+    )
+    took = time.monotonic() - t0
+    doc = _json(r)
+    assert [(x["check"], x["status"]) for x in _results(doc, "n1")] == [("host.cpus", "pass")], doc
+    assert took < 40, took  # the report's 5 s grace, not the 50 s timeout or the launcher's 60 s
+
+
 def _spec(tmp_path: Path, gpus: list[dict], xids: list[list[int]] | None = None) -> str:
     p = tmp_path / "gpus.json"
     p.write_text(json.dumps({"gpus": gpus, "xids": xids or []}))
