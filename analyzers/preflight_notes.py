@@ -31,6 +31,10 @@ def _nodes(f: Finding) -> list[str]:
     return out
 
 
+def _short(host: str) -> str:
+    return host.split(".", 1)[0]
+
+
 def _checks(marginal: list[dict[str, Any]]) -> list[str]:
     return sorted({m["check"] + (f"[{m['subject']}]" if m["subject"] else "") for m in marginal})
 
@@ -46,29 +50,35 @@ def annotate_preflight(store: Store, findings: list[Finding], *, lookback_s: flo
         return findings
     now = time.time_ns()
     since = min((f.first_seen_ns or now) for f in findings) - int(lookback_s * 1e9)
-    hosts = ", ".join(sql_string(n) for n in nodes)
+    # pre-flight may have named a node "gpu017" and the job "gpu017.cluster.local" (or the reverse):
+    # they are matched on the short name
+    shorts = {_short(n) for n in nodes}
+    short_list = ", ".join(sql_string(n) for n in sorted(shorts))
+    host_short = "splitByChar('.', host)[1]"
     try:
         runs = store.query(
-            f"SELECT host, run_id, ts_ns FROM preflight WHERE host IN ({hosts}) AND ts_ns >= {int(since)} "
-            "GROUP BY host, run_id, ts_ns ORDER BY host, ts_ns"
+            f"SELECT host, run_id, ts_ns FROM preflight WHERE {host_short} IN ({short_list}) "
+            f"AND ts_ns >= {int(since)} GROUP BY host, run_id, ts_ns ORDER BY host, ts_ns"
         ).rows()
         if not runs:
             return findings
         ids = ", ".join(sql_string(str(r)) for r in sorted({r for _, r, _ in runs}))
         rows = store.query(
             "SELECT host, run_id, check_name, subject, status, verdict, message FROM preflight "
-            f"WHERE run_id IN ({ids}) AND host IN ({hosts}) AND status IN ('warn', 'fail', 'error') "
+            f"WHERE run_id IN ({ids}) AND {host_short} IN ({short_list}) AND status IN ('warn', 'fail', 'error') "
             "ORDER BY host, check_name, subject"
         ).rows()
     except StoreError:
         return findings
-    # per node: its runs, oldest first; per (node, run): the marginal results
+    # per node (short name): its runs, oldest first; per (node, run): the marginal results
     by_node: dict[str, list[tuple[int, str]]] = {}
     for host, run_id, ts in runs:
-        by_node.setdefault(str(host), []).append((int(ts), str(run_id)))
+        by_node.setdefault(_short(str(host)), []).append((int(ts), str(run_id)))
+    for v in by_node.values():
+        v.sort()
     marginal: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for host, run_id, check, subject, status, verdict, message in rows:
-        marginal.setdefault((str(host), str(run_id)), []).append(
+        marginal.setdefault((_short(str(host)), str(run_id)), []).append(
             {"check": check, "subject": subject, "status": status, "verdict": verdict, "message": message}
         )
     out = []
@@ -79,11 +89,12 @@ def annotate_preflight(store: Store, findings: list[Finding], *, lookback_s: flo
         at = f.first_seen_ns or now
         notes: dict[str, Any] = {}
         for n in _nodes(f):
-            before = [(ts, r) for ts, r in by_node.get(n, []) if ts <= at]
+            # the latest run before the finding began, within the lookback of *this* finding
+            before = [(ts, r) for ts, r in by_node.get(_short(n), []) if at - lookback_s * 1e9 <= ts <= at]
             if not before:
                 continue
-            ts, run_id = before[-1]  # the latest run before the finding began
-            got = marginal.get((n, run_id))
+            ts, run_id = before[-1]
+            got = marginal.get((_short(n), run_id))
             if got:
                 notes[n] = {"run_id": run_id, "ts_ns": ts, "verdict": got[0]["verdict"], "marginal": got}
         if not notes:

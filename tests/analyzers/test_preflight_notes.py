@@ -67,3 +67,25 @@ def test_a_preflight_after_the_finding_began_or_a_clean_one_adds_nothing(tmp_pat
         assert "n1 was fail at pre-flight (gpu.temperature[gpu0])" in got.title
     finally:
         store.close()
+
+
+def test_a_node_named_by_its_fqdn_at_preflight_matches_its_short_name_and_the_lookback_is_per_finding(tmp_path):
+    from ranklens.analyzers.findings import Finding, Severity, Suspect
+    from ranklens.analyzers.preflight_notes import annotate_preflight
+
+    url = f"embedded://{tmp_path / 'store'}"
+    _store_preflight(url, "gpu017.cluster.local", {"gpus": [{"uuid": "GPU-0", "temp_c": 99}]}, 3600)
+    now = time.time_ns()
+    f = Finding("x", "j", 0, "straggler", Severity.WARNING, 0.9, "rank 1 is slow", (Suspect(1, "gpu017"),), 1, 5,
+                first_seen_ns=now)  # fmt: skip
+    old = dataclasses.replace(f, id="y", first_seen_ns=now - 3600 * 10**9 - 10**9)  # before that pre-flight
+    late = dataclasses.replace(f, id="z", first_seen_ns=now + 3 * 86400 * 10**9)  # 3 days after it
+    store = open_store(url)
+    try:
+        got, got_old, got_late = annotate_preflight(store, [f, old, late], lookback_s=86400)
+        assert "gpu017 was fail at pre-flight (gpu.temperature[gpu0])" in got.title, got.title
+        assert got.evidence["preflight"]["gpu017"]["run_id"] == "rungpu017.cluster.local"
+        assert got_old == old  # the only run came after it began
+        assert got_late == late  # the run is older than the lookback for this finding (not the earliest one's)
+    finally:
+        store.close()
