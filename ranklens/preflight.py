@@ -496,12 +496,18 @@ def run_preflight(plan: PreflightPlan, say: Callable[[str], None] = lambda s: No
 
 
 def report_text(report: PreflightReport, *, verbose: bool = False) -> str:
-    """The report as a table a person reads: one line per result (passes folded unless verbose),
-    then the verdict per node."""
+    """The report as a table a person reads: one line per result, then the verdict per node. Over
+    several nodes, passes and skips are folded into the counts unless ``verbose`` (a fleet of 100
+    nodes would otherwise print 4,500 lines to find the few that matter)."""
     lines = []
+    fold = len(report.nodes) > 1 and not verbose
+    folded = 0
     widths = (max([len(r.node) for r in report.results] + [4]), max([len(r.check) for r in report.results] + [5]))
     lines.append(f"{'NODE':<{widths[0]}}  {'CHECK':<{widths[1]}}  {'STATUS':<6}  RESULT")
     for r in report.results:
+        if fold and r.status in (Status.PASS, Status.SKIP):
+            folded += 1
+            continue
         subject = f"[{r.subject}] " if r.subject else ""
         lines.append(
             f"{r.node:<{widths[0]}}  {r.check:<{widths[1]}}  {r.status.value.upper():<6}  {subject}{r.message}"
@@ -516,6 +522,7 @@ def report_text(report: PreflightReport, *, verbose: bool = False) -> str:
     lines.append(
         f"{len({r.check for r in report.results})} checks, {len(report.results)} results in {report.duration_s:.1f} s: "
         + ", ".join(f"{v} {k}" for k, v in c.items() if v)
+        + (f" ({folded} passes and skips not listed: -v lists them)" if folded else "")
     )
     for n in report.nodes:
         v = report.verdict(n)

@@ -153,7 +153,12 @@ def _thresholds(items: tuple[str, ...]) -> dict[str, float]:
 @click.option("--act", is_flag=True, help="Hand the failed nodes' findings to the recovery policy (needs --policy).")
 @policy_options(required=False)
 @click.option("--list", "list_checks", is_flag=True, help="List the checks and their limits, and exit.")
-@click.option("-v", "--verbose", is_flag=True, help="Progress on stderr (default: on when stderr is a terminal).")
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Progress on stderr (default: on when stderr is a terminal); with several nodes, also every pass and skip.",
+)
 @errors
 def preflight_command(
     store_url: str | None,
@@ -273,7 +278,7 @@ def preflight_command(
             doc["recovery"] = recovery
         click.echo(json.dumps(doc, default=str))
     else:
-        click.echo(report_text(report))
+        click.echo(report_text(report, verbose=verbose))
         if blacklist_path:
             click.echo(f"blacklist: {len(report.blacklist)} node(s) written to {blacklist_path}")
         if store is not None:
