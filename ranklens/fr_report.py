@@ -2,7 +2,8 @@
 
 Reads the dumps in a directory (one damaged dump does not hide the others), finds their job
 (dumps written by ranklens' tracer lie in ``<spool>/<job>/<attempt>/fr/``), analyses them (hang,
-crash, desync, size_mismatch; with a store, the job's ledger gives each finding its step), saves
+crash, desync, size_mismatch; with a store, the job's ledger gives each finding its step; the
+suspects' Python stacks, where the tracer wrote them beside the dumps, go into ``evidence.stacks``), saves
 the findings only into a store named and only from complete input, and renders what was found:
 :meth:`FlightRecorderReport.to_text` (the pending collectives of every process group, then the
 findings) or :meth:`FlightRecorderReport.to_json`. The CLI parses arguments, prints and exits.
@@ -10,8 +11,11 @@ findings) or :meth:`FlightRecorderReport.to_json`. The CLI parses arguments, pri
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ranklens.analyzers import save_findings
@@ -88,6 +92,11 @@ class FlightRecorderReport:
             action = f.evidence.get("action")
             if action:
                 out.append(f"      recommended: {action} ({f.evidence.get('action_reason', '')})")
+            for rank, st in sorted((f.evidence.get("stacks") or {}).items(), key=lambda kv: int(kv[0])):
+                main = next((t for t in st["threads"] if t["main"]), None)
+                if main and main["frames"]:
+                    out.append(f"      rank {rank}'s main thread at the dump ({st['reason']}), innermost last:")
+                    out += [f"        {_frame(x)}" for x in main["frames"][-STACK_LINES:]]
             out.append(f"      confidence {f.confidence:.2f}, id {f.id}")
         return "\n".join(out)
 
@@ -133,6 +142,9 @@ def analyze_dumps(
     findings = analyze_flight_recorder(
         dumps, world_size=world_size, job_id=job_id, attempt=attempt, unreadable=unreadable, step_of=step_of
     )
+    sdir = stacks_dir_of(fr_dir)
+    if sdir is not None:  # the suspects' Python stacks at the dump: the cause survives a restart
+        findings = _with_stacks(list(findings), load_stacks(sdir))
     known = {u.rank for u in unreadable if u.rank is not None}
     world, world_source = infer_world_size(dumps, world_size, known_ranks=known)
     no_dump = sorted(set(range(world)) - {d.rank for d in dumps} - known)
@@ -151,6 +163,50 @@ def analyze_dumps(
         missing_dumps=no_dump,
         findings=list(findings),
     )
+
+
+STACK_LINES = 4  # innermost frames of a suspect's main thread in the text report (all are in --json)
+
+
+def _frame(x: dict[str, Any]) -> str:
+    return f"{x['file']}:{x['line']} in {x['func']}" + (f": {x['code']}" if x["code"] else "")
+
+
+def stacks_dir_of(fr_dir: str) -> Path | None:
+    """The tracer's stack dumps beside flight-recorder dumps in ``<attempt>/fr/`` (``<attempt>/stacks/``)."""
+    p = Path(fr_dir)
+    fr = p if p.is_dir() else p.parent
+    if fr.name != "fr":
+        return None
+    d = fr.parent / "stacks"
+    return d if d.is_dir() else None
+
+
+def load_stacks(directory: Path) -> dict[int, dict[str, Any]]:
+    """The stack dumps in ``directory`` by rank; an unreadable one is skipped (context, never a reason
+    to fail the post-mortem). Only the training's threads are kept (not ranklens' own)."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in sorted(directory.glob("stacks_rank_*.json")):
+        try:
+            doc = json.loads(path.read_text())
+            rank = int(doc["rank"])
+            threads = [
+                {"thread": str(t["thread"]), "main": bool(t["main"]), "frames": list(t["frames"])}
+                for t in doc["threads"]
+                if not t.get("ranklens")
+            ]
+            out[rank] = {"ts_ns": int(doc["ts_ns"]), "reason": str(doc.get("reason", "")), "threads": threads}
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def _with_stacks(findings: list[Finding], stacks: dict[int, dict[str, Any]]) -> list[Finding]:
+    out = []
+    for f in findings:
+        got = {str(s.rank): stacks[s.rank] for s in f.suspects if s.rank in stacks}
+        out.append(dataclasses.replace(f, evidence={**f.evidence, "stacks": got}) if got else f)
+    return out
 
 
 def _ranks(rs: Iterable[int]) -> str:

@@ -243,10 +243,27 @@ class Tracer:
         folder, so `ranklens analyze --flight-recorder` takes it as it is)."""
         return os.path.join(str(self._writer.dir.parent), "fr")
 
+    @property
+    def stacks_dir(self) -> str:
+        """Where this job attempt's Python stack dumps go (``stacks/stacks_rank_<r>.json``)."""
+        return os.path.join(str(self._writer.dir.parent), "stacks")
+
+    def dump_stacks(self, reason: str) -> str | None:
+        """Write every thread's Python stack (tracing/_stacks.py); the path, or None. Never raises."""
+        try:
+            from ranklens.tracing._stacks import write_stacks
+
+            return write_stacks(self.stacks_dir, self.rank, reason, self.clock())
+        except Exception:
+            self._drops["stacks:dump_failed"] += 1
+            return None
+
     def dump_flight_recorder(self, reason: str) -> str | None:
         """Write torch's flight-recorder buffer (JSON) as ``fr/fr_trace_rank_<r>.json`` next to the
-        spool, replacing the previous dump of this rank. Returns the path, or None when torch has
-        no flight recorder here. Never raises."""
+        spool, replacing the previous dump of this rank, and this rank's Python stacks beside it
+        (``stacks/``). Returns the dump's path, or None when torch has no flight recorder here.
+        Never raises."""
+        self.dump_stacks(reason)
         try:
             from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]  # private
         except Exception:

@@ -156,6 +156,17 @@ def test_sleeping_rank_is_named_before_the_gloo_timeout(job, embedded_store):
     assert (out["job_id"], out["attempt"], out["missing_dumps"]) == (j.job_id, 0, [])
     [pf] = out["findings"]
     assert pf["job_id"] == j.job_id and pf["first_seen_step"] == pf["evidence"]["step"] == 3
+    # the hung rank's Python stacks, written beside the dumps by its tracer, are on the finding: its
+    # main thread was in the script's sleep (the cause, kept for after a restart)
+    st = pf["evidence"]["stacks"]
+    assert list(st) == ["2"], st
+    main = next(t for t in st["2"]["threads"] if t["main"])
+    inner = main["frames"][-1]
+    assert inner["file"].endswith("hang_job.py") and inner["func"] == "main", main["frames"][-3:]
+    assert inner["code"] == "time.sleep(secs)", inner
+    args = ["analyze", "--flight-recorder", str(fr_dir), "--store", embedded_store.url, "--no-save"]
+    r = CliRunner().invoke(cli, args)
+    assert "rank 2's main thread at the dump" in r.output and "time.sleep(secs)" in r.output, r.output
 
 
 def test_exited_rank_is_named_as_crashed(job, embedded_store):
