@@ -637,3 +637,26 @@ def test_prepare_dirs_without_posix_acls_keeps_owner_group_and_mode_and_warns(no
     monkeypatch.setattr(os, "setxattr", failing(errno.EIO))
     with pytest.raises(OSError, match="Input/output error"):
         script["prepare"](str(d), COLLECTOR_UID, COLLECTOR_UID)
+
+
+def test_alerts_receiver_is_where_grafanas_contact_point_posts(renders):
+    from urllib.parse import urlparse
+
+    docs = renders["overlays/alerts-receiver"]
+    svc = _one(docs, "Service", "ranklens-alerts-receiver")
+    dep = _one(docs, "Deployment", "ranklens-alerts-receiver")
+    cp = yaml.safe_load((ROOT / "deploy/grafana/provisioning/alerting/ranklens-contact-points.yml").read_text())
+    urls = [r["settings"]["url"] for p in cp["contactPoints"] for r in p["receivers"] if "url" in r.get("settings", {})]
+    (url,) = [urlparse(u) for u in urls if "alerts-receiver" in u]
+    (port,) = svc["spec"]["ports"]
+    assert (url.hostname, url.port, url.path) == (svc["metadata"]["name"], port["port"], "/alertmanager")
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    (cport,) = c["ports"]
+    assert port["targetPort"] == cport["name"] and c["args"][:1] == ["alerts-receiver"]
+    assert c["args"][c["args"].index("--port") + 1] == str(cport["containerPort"])
+    assert c["args"][c["args"].index("--host") + 1] == "0.0.0.0"  # the default 127.0.0.1 is unreachable in a pod
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef", {}) for e in c["env"]}
+    assert env["RANKLENS_ALERTS_TOKEN"] == {"name": "ranklens-alerts", "key": "token"}
+    assert env["RANKLENS_STORE"]["name"] == "ranklens-store"
+    assert "hostPath" not in json.dumps(dep)  # an ordinary pod: no host access
