@@ -916,12 +916,9 @@ def run(
 
     store, ship_later = (None, None) if no_collect else _open_for_run(store_url)
     if preflight:
-        import os
+        from ranklens.launch import resolve_job_id
 
-        from ranklens.config import ENV_JOB_ID
-        from ranklens.launch import new_job_id
-
-        job_id = job_id or os.environ.get(ENV_JOB_ID) or new_job_id()  # the same id for the check and the job
+        job_id = resolve_job_id(job_id)  # the same id for the check and the job
         _preflight_before_run(store, preflight_checks, job_id)
     result = run_traced(command, store, spool_dir=spool_dir, job_id=job_id, log=lambda s: click.echo(s, err=True))
     if result.collector and result.store_error:

@@ -28,7 +28,7 @@ from ranklens.config import ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL
 from ranklens.errors import ConfigError
 from ranklens.store.api import Store
 
-__all__ = ["BOOTSTRAP_DIR", "RunResult", "collector_lock", "new_job_id", "run_traced", "spool_problem"]
+__all__ = ["BOOTSTRAP_DIR", "RunResult", "collector_lock", "resolve_job_id", "run_traced", "spool_problem"]
 
 BOOTSTRAP_DIR = str(Path(__file__).with_name("_bootstrap"))
 
@@ -65,9 +65,10 @@ def traced_env(base: dict[str, str], *, job_id: str, spool_dir: str) -> dict[str
     return env
 
 
-def new_job_id() -> str:
-    """A fresh job id, ``run-<date>-<time>-<6 hex>``."""
-    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+def resolve_job_id(job_id: str | None) -> str:
+    """The job id ``ranklens run`` uses: the one given, else ``$RANKLENS_JOB_ID``, else a fresh
+    ``run-<date>-<time>-<6 hex>``."""
+    return job_id or os.environ.get(ENV_JOB_ID) or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
 def run_traced(
@@ -83,7 +84,7 @@ def run_traced(
     serves ``spool_dir``). Returns the command's exit code. ``store=None``: spool only."""
     if not command:
         raise ConfigError("ranklens run needs a command after --, e.g. ranklens run -- torchrun ... train.py")
-    job_id = job_id or os.environ.get(ENV_JOB_ID) or new_job_id()
+    job_id = resolve_job_id(job_id)
     problem = spool_problem(spool_dir)
     if problem is not None:  # training is not delayed or stopped by tracing: it runs untraced
         log(

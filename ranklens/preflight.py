@@ -302,11 +302,10 @@ def _run_nodes(
         time.sleep(0.02)
     for n, w in pending.items():
         w.stop()
-        failed[n] = f"no report within --timeout {plan.timeout_s:g} s: {w.output()[-600:]}"
-        # (a report that arrived in the last REPORT_GRACE_S before the deadline is still taken)
-        if w.result() is not None:
-            failed.pop(n)
+        if w.result() is not None:  # it arrived within REPORT_GRACE_S of the deadline: it counts
             _take_report(n, w, reports, failed, names, say)
+        else:
+            failed[n] = f"no report within --timeout {plan.timeout_s:g} s: {w.output()[-600:]}"
     out = []
     for n in plan.nodes:
         if n in reports:

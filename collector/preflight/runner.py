@@ -71,7 +71,7 @@ def _run_check(c: Check, ctx: Context) -> list[CheckResult]:
     """One check's results, run on a daemon thread so that one stuck in the kernel (a hung NFS
     ``stat``, an NVML call on a wedged GPU) is reported after its timeout instead of holding the run;
     an exception becomes an ``error`` result naming the check and the exception."""
-    out: list[Any] = []
+    out: list[list[CheckResult]] = []
 
     def target() -> None:
         try:
@@ -95,7 +95,7 @@ def _run_check(c: Check, ctx: Context) -> list[CheckResult]:
     th.start()
     th.join(limit)
     if out:
-        return list(out[0])
+        return out[0]
     return [
         ctx.result(
             c.name,
