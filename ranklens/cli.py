@@ -233,6 +233,21 @@ def _print_findings(findings: list[Any], coverage: Any = None) -> None:
     help="With --flight-recorder: ranks of the job (default: from the dumps' process-group tables and "
     "group sizes, else the highest dumped rank + 1).",
 )
+@click.option(
+    "--traces",
+    is_flag=True,
+    help="Analyze the job's torch.profiler (Kineto) traces instead of its ledger: Holistic Trace "
+    "Analysis' temporal breakdown (idle / compute / non-compute %), comm/comp overlap, kernel-type and "
+    "top-kernel breakdowns and idle time per stream, for every traced rank, computed in the store; "
+    "findings: trace_idle, kernel_straggler, exposed_communication. Default job: the last one traced.",
+)
+@click.option(
+    "--rank",
+    "ranks",
+    type=click.IntRange(0),
+    multiple=True,
+    help="With --traces: only this rank (repeatable; default: every traced rank).",
+)
 @click.option("--json", "as_json", is_flag=True, help='Print {"findings": [...]} as one JSON object.')
 @click.option("--no-save", is_flag=True, help="Do not write the findings to the store.")
 @click.option(
@@ -276,6 +291,8 @@ def analyze(
     attempt: int | None,
     fr_dir: str | None,
     world_size: int | None,
+    traces: bool,
+    ranks: tuple[int, ...],
     as_json: bool,
     no_save: bool,
     follow: bool,
@@ -286,8 +303,8 @@ def analyze(
     metrics_port: int | None,
     metrics_addr: str,
 ) -> None:
-    """Analyze a job in the store (stragglers; hangs, crashes and desyncs while it runs) or
-    flight-recorder dumps (post-mortem), and print its findings."""
+    """Analyze a job in the store (stragglers; hangs, crashes and desyncs while it runs), its
+    profiler traces (--traces) or flight-recorder dumps (post-mortem), and print its findings."""
     from ranklens.analyzers import latest_job, save_findings
     from ranklens.analyzers.job import analyze_job
 
@@ -296,6 +313,17 @@ def analyze(
     if metrics_port is not None and not follow:
         raise click.UsageError("--metrics-port goes with --follow")
 
+    if ranks and not traces:
+        raise click.UsageError("--rank goes with --traces")
+    if traces:
+        if fr_dir is not None or follow or act:
+            raise click.UsageError(
+                "--traces analyzes stored profiler traces: not with --flight-recorder, --follow or --act"
+            )
+        from ranklens.traces_cli import analyze_traces
+
+        analyze_traces(_open(store_url, create=False), job_id, attempt, ranks, as_json=as_json, save=not no_save)
+        return
     if fr_dir is not None:
         _analyze_flight_recorder(store_url, fr_dir, job_id, attempt, world_size, as_json, no_save)
         return

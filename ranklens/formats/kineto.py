@@ -88,11 +88,22 @@ def _int(v: Any, default: int = -1) -> int:
         return default
 
 
+def _us_to_ns(us: int | float) -> int:
+    # integer microseconds convert exactly: an epoch timestamp (~1.7e15 us) times 1000 is past
+    # float64's 53-bit mantissa, and float arithmetic would move it by up to 128 ns
+    return us * 1000 if isinstance(us, int) else round(us * 1000)
+
+
 def _row(ev: dict[str, Any], base_ns: int, ident: dict[str, Any], source: str) -> dict[str, Any] | None:
     if ev.get("ph") != "X":
         return None
     ts, dur = ev.get("ts"), ev.get("dur", 0)
-    if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
+    if (
+        not isinstance(ts, (int, float))
+        or not isinstance(dur, (int, float))
+        or isinstance(ts, bool)
+        or isinstance(dur, bool)
+    ):
         raise ValueError(f"event {str(ev.get('name'))[:60]!r} has a non-numeric ts/dur")
     raw_args = ev.get("args")
     args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
@@ -104,8 +115,8 @@ def _row(ev: dict[str, Any], base_ns: int, ident: dict[str, Any], source: str) -
             collective = m.group(1).lower()
     return {
         **ident,
-        "ts_ns": base_ns + round(float(ts) * 1000),
-        "dur_ns": round(float(dur) * 1000),
+        "ts_ns": base_ns + _us_to_ns(ts),
+        "dur_ns": _us_to_ns(dur),
         "cat": str(ev.get("cat", "")),
         "name": name,
         "pid": str(ev.get("pid", "")),

@@ -221,7 +221,7 @@ def test_reingesting_kineto_traces_and_flight_recorder_dumps_writes_their_rows_o
     from pathlib import Path
 
     data = Path(__file__).parent.parent.joinpath("data")
-    trace = data / "kineto" / "sampled_rank-0.json.gz"
+    trace = data / "kineto" / "hta_recsys_2rank_of128" / "sampled_rank-0.json.gz"
     dumps = data / "flight_recorder" / "healthy" / "fr_json"
 
     def ingest(*args: str) -> None:

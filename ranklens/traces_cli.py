@@ -1,0 +1,129 @@
+"""``ranklens analyze --traces``: the CUDA timing view of a job's profiler traces, as text or JSON.
+
+The numbers are Holistic Trace Analysis' (same definitions and defaults, see
+:mod:`ranklens.analyzers.traces`), for every traced rank side by side, plus the findings the traces
+support (:mod:`ranklens.analyzers.trace_findings`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from ranklens.errors import NotFound
+from ranklens.store.api import sql_string
+
+__all__ = ["analyze_traces"]
+
+TOP_KERNELS = 5  # per rank and type in the text report (all of them in --json)
+
+
+def analyze_traces(
+    store: Any,
+    job_id: str | None,
+    attempt: int | None,
+    ranks: Sequence[int],
+    *,
+    as_json: bool,
+    save: bool,
+) -> None:
+    from ranklens.analyzers import save_findings
+    from ranklens.analyzers import traces as T
+    from ranklens.analyzers.trace_findings import trace_findings
+
+    if job_id is None:
+        latest = T.latest_trace_job(store)
+        if latest is None:
+            raise NotFound(
+                f"the store {store.url} holds no profiler traces; "
+                f"`ranklens ingest TRACE_DIR --format kineto --store {store.url}` loads torch.profiler traces"
+            )
+        job_id, found = latest
+        attempt = found if attempt is None else attempt
+    elif attempt is None:
+        r = store.query(f"SELECT max(attempt), count() FROM trace_events WHERE job_id = {sql_string(job_id)}")
+        top, n = r.rows()[0]
+        if not n:
+            raise NotFound(
+                f"no profiler traces of job {job_id!r} in {store.url}; "
+                f'`ranklens sql --store {store.url} "SELECT DISTINCT job_id FROM trace_events"` lists the traced jobs'
+            )
+        attempt = int(top)
+    sel = list(ranks) or None
+    window = T.trace_window(store, job_id, attempt, sel)
+    breakdown = T.temporal_breakdown(store, job_id, attempt, sel)
+    kernel_types = T.kernel_type_breakdown(store, job_id, attempt, sel)
+    kernels = T.kernel_breakdown(store, job_id, attempt, sel)
+    idle = T.idle_time_breakdown(store, job_id, attempt, sel)
+    findings = trace_findings(store, job_id, attempt, sel, breakdown=breakdown)
+    if save:
+        save_findings(store, findings)
+    if as_json:
+        out = {
+            "job_id": job_id,
+            "attempt": attempt,
+            "ranks": list(window.ranks),
+            "window": {"profiler_steps": window.profiler_steps, "last_step_left_out": window.windowed},
+            "temporal_breakdown": [b.to_json() for b in breakdown],
+            "kernel_type_breakdown": [k.to_json() for k in kernel_types],
+            "kernel_breakdown": [k.to_json() for k in kernels],
+            "idle_time_breakdown": [i.to_json() for i in idle],
+            "findings": [f.to_json() for f in findings],
+        }
+        click.echo(json.dumps(out, default=str))
+        return
+    say = click.echo
+    steps = (
+        f"{window.profiler_steps} profiler steps, the last left out"
+        if window.windowed
+        else "no profiler steps to window by: every event"
+    )
+    say(f"job {job_id} attempt {attempt}: profiler traces of {len(window.ranks)} rank(s) ({steps})")
+    say("\nGPU time per rank (% of the window from the first kernel to the last):")
+    say(
+        f"  {'rank':>6} {'window ms':>10} {'idle %':>7} {'compute %':>9} {'non-compute %':>13} "
+        f"{'comm/comp overlap %':>19}"
+    )
+    for b in breakdown:
+        say(
+            f"  {b.rank:>6} {b.kernel_time_us / 1000:>10.1f} {b.idle_time_pctg:>7.2f} {b.compute_time_pctg:>9.2f} "
+            f"{b.non_compute_time_pctg:>13.2f} {b.comp_comm_overlap_pctg:>19.2f}"
+        )
+    say("\nKernel types (all ranks, time while exactly these run):")
+    for t in kernel_types:
+        say(f"  {t.percentage:>5.1f}%  {t.sum_us / 1000:>10.1f} ms  {t.kernel_type}")
+    say(f"\nTop kernels per rank and type (the rest as `others`; all of them with --json), first {TOP_KERNELS}:")
+    shown: dict[tuple[int, str], int] = {}
+    for k in kernels:
+        n = shown.get((k.rank, k.kernel_type), 0)
+        if n >= TOP_KERNELS:
+            continue
+        shown[(k.rank, k.kernel_type)] = n + 1
+        name = k.name if len(k.name) <= 70 else k.name[:67] + "..."
+        say(
+            f"  rank {k.rank} {k.kernel_type:<13} {k.sum_us / 1000:>9.1f} ms  x{k.count:<6} "
+            f"mean {k.mean_us:>8.1f} us  {name}"
+        )
+    say("\nIdle time per stream (host_wait: launched after the stream went idle; kernel_wait: gaps < 30 us):")
+    by_stream: dict[tuple[int, int], dict[str, int]] = {}
+    for i in idle:
+        by_stream.setdefault((i.rank, i.stream), {})[i.idle_category] = i.idle_time_us
+    for (rank, stream), cats in sorted(by_stream.items()):
+        total = sum(cats.values())
+        if total <= 0:
+            continue
+        parts = ", ".join(f"{c} {100.0 * us / total:.0f}%" for c, us in cats.items() if us)
+        say(f"  rank {rank} stream {stream}: {total / 1000:.1f} ms idle ({parts})")
+    if findings:
+        say(f"\nFindings ({len(findings)}):")
+        for f in findings:
+            say(f"  [{f.severity.value.upper()}] {f.kind}: {f.title}")
+            say(f"      confidence {f.confidence:.2f}, id {f.id}")
+    else:
+        say(
+            "\nNo findings: no rank idles or runs its kernels far slower than its peers, "
+            "and communication is overlapped."
+        )
