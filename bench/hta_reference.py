@@ -6,6 +6,8 @@ Runs in a scratch environment with HTA installed, never in ranklens' own (HTA is
     python3 -m venv /tmp/hta && /tmp/hta/bin/pip install holistictraceanalysis==0.5.0
     /tmp/hta/bin/python bench/hta_reference.py ../shared/data/kineto tests/data/kineto_hta
 
+(`--set DIR` analyses one set and prints its temporal breakdown: what bench/trace_bench.py times.)
+
 One JSON file per trace set: HTA's temporal breakdown, communication/computation overlap,
 kernel-type and kernel breakdowns and idle-time breakdown, with HTA's defaults (every rank).
 """
@@ -61,6 +63,10 @@ def reference(trace_dir: Path) -> dict:
 def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
+    if argv[1] == "--set":  # one set, nothing written (bench/trace_bench.py times this)
+        ref = reference(Path(argv[2]))
+        print(json.dumps(ref["temporal_breakdown"]))
+        return 0
     src, out = Path(argv[1]), Path(argv[2])
     out.mkdir(parents=True, exist_ok=True)
     for d in sorted(p for p in src.iterdir() if p.is_dir() and any(p.glob("*.json.gz"))):

@@ -340,6 +340,13 @@ def analyze(
     if job_id is None:
         latest = latest_job(store)
         if latest is None:
+            from ranklens.analyzers.traces import latest_trace_job
+
+            if latest_trace_job(store) is not None:
+                raise NotFound(
+                    f"the store {store.url} holds profiler traces but no job ledger; "
+                    f"`ranklens analyze --traces --store {store.url}` analyzes the traces"
+                )
             raise NotFound(f"the store {store.url} holds no job yet; run `ranklens demo` or ingest records")
         job_id, found_attempt = latest
         attempt = found_attempt if attempt is None else attempt

@@ -198,3 +198,9 @@ def test_cli_traces_bad_input(synthetic, tmp_path):
     open_store(empty).close()
     r = CliRunner().invoke(cli, ["analyze", "--traces", "--store", empty])
     assert r.exit_code != 0 and "holds no profiler traces" in r.output and f"--store {empty}" in r.output
+
+
+def test_plain_analyze_on_a_traces_only_store_points_to_traces(synthetic):
+    _, url = synthetic
+    r = CliRunner().invoke(cli, ["analyze", "--store", url])
+    assert r.exit_code != 0 and f"`ranklens analyze --traces --store {url}`" in r.output

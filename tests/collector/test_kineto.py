@@ -39,7 +39,9 @@ def test_every_real_trace_ingests(trace, store):
 def test_rank_and_job_from_the_trace(tmp_path, embedded_store):
     ingest_kineto(embedded_store, [DATA / "hta_resnet_ddp_a100_rank0_of2" / "nccl_data.json.gz"])
     ((job, rank),) = embedded_store.query("SELECT DISTINCT job_id, rank FROM trace_events").rows()
-    assert rank == 0 and job.startswith("kineto-hta_resnet_ddp_a100_rank0_of2-")  # distributedInfo.rank; job from the directory
+    assert rank == 0 and job.startswith(
+        "kineto-hta_resnet_ddp_a100_rank0_of2-"
+    )  # distributedInfo.rank; job from the directory
     kinds = dict(
         embedded_store.query(
             "SELECT collective, count() FROM trace_events WHERE collective != '' GROUP BY collective"
