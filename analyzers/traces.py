@@ -46,6 +46,9 @@ __all__ = [
     "IdleTime",
     "KernelStats",
     "KernelTypeTime",
+    "LaunchStats",
+    "LedgerWindow",
+    "QueueLength",
     "RankBreakdown",
     "TraceWindow",
     "idle_time_breakdown",
@@ -53,6 +56,9 @@ __all__ = [
     "kernel_launches",
     "kernel_type_breakdown",
     "latest_trace_job",
+    "launch_stats",
+    "ledger_window",
+    "queue_length_summary",
     "temporal_breakdown",
     "trace_span",
     "trace_window",
@@ -511,3 +517,209 @@ def trace_span(store: Store, job_id: str, attempt: int = 0, ranks: Sequence[int]
     if not numbers:
         return TraceSpan(int(lo), int(hi), -1, -1)
     return TraceSpan(int(lo), int(hi), numbers[0], numbers[-1])
+
+
+# CUDA runtime calls that launch work on a stream (HTA's list, CUDA and ROCm)
+_KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "runFunction - job_prep_and_submit_for_execution")
+_MEMORY_LAUNCHES = ("cudaMemsetAsync", "cudaMemcpyAsync")
+_QUEUE_LAUNCHES = (
+    *_KERNEL_LAUNCHES,
+    *_MEMORY_LAUNCHES,
+    "cuLaunchKernel",
+    "hipLaunchKernel",
+    "hipExtModuleLaunchKernel",
+    "hipMemsetAsync",
+    "hipMemcpyAsync",
+    "hipMemcpyWithStream",
+)
+
+
+def _names(names: Sequence[str]) -> str:
+    return "(" + ", ".join(sql_string(n) for n in names) + ")"
+
+
+def _cpu_sql(w: TraceWindow, ranks: Sequence[int] | None, names: Sequence[str]) -> str:
+    """CPU-side runtime calls of the analysed window with these names: rank, correlation, ts_us, dur_us."""
+    where = _where(w.job_id, w.attempt, ranks)
+    base = (
+        f"SELECT rank, correlation, {_TS_US} AS ts_us, {_END_US} - {_TS_US} AS dur_us FROM trace_events "
+        f"WHERE {where} AND stream = -1 AND correlation >= 0 AND name IN {_names(names)}"
+    )
+    if not w.windowed:
+        return base
+    last_step = (
+        f"SELECT rank, max({_TS_US}) AS win_end_us FROM trace_events WHERE {where} "
+        f"AND position(name, 'ProfilerStep') > 0 AND NOT {_IS_GPU} GROUP BY rank"
+    )
+    return (
+        f"SELECT rank, correlation, ts_us, dur_us FROM ({base}) AS c ALL INNER JOIN ({last_step}) AS l "
+        "USING (rank) WHERE ts_us < win_end_us"
+    )
+
+
+@dataclass(frozen=True)
+class LaunchStats:
+    """HTA's CUDA kernel launch statistics of one rank, summarised: per launch, the CPU runtime
+    call's duration, the GPU event's, and the launch delay (GPU start - CPU call end, >= 0)."""
+
+    rank: int
+    launches: int
+    cpu_duration_us: int  # summed
+    gpu_duration_us: int
+    launch_delay_us: int
+    short_gpu_kernels: int  # GPU event shorter than its CPU launch call (launch-bound)
+    long_runtime_calls: int  # CPU launch call longer than runtime_cutoff_us
+    long_launch_delays: int  # launch delay longer than launch_delay_cutoff_us
+    launch_delay_p50_us: float
+    launch_delay_p99_us: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def launch_stats(
+    store: Store,
+    job_id: str,
+    attempt: int = 0,
+    ranks: Sequence[int] | None = None,
+    *,
+    runtime_cutoff_us: int = 50,
+    launch_delay_cutoff_us: int = 100,
+    include_memory_events: bool = True,
+) -> list[LaunchStats]:
+    """Per rank: every GPU event joined to the CPU runtime call that launched it (by correlation
+    id), summarised with HTA's cutoffs (a runtime call over 50 us, a launch delay over 100 us)."""
+    w = trace_window(store, job_id, attempt, ranks)
+    names = (*_KERNEL_LAUNCHES, *(_MEMORY_LAUNCHES if include_memory_events else ()))
+    gpu = f"SELECT rank, correlation, ts_us AS g_ts, end_us - ts_us AS g_dur FROM ({_events_sql(w, ranks)}) AS e"
+    sql = f"""
+SELECT rank, count(), sum(dur_us), sum(g_dur), sum(delay), countIf(g_dur < dur_us),
+  countIf(dur_us > {int(runtime_cutoff_us)}), countIf(delay > {int(launch_delay_cutoff_us)}),
+  quantileExact(0.5)(delay), quantileExact(0.99)(delay)
+FROM (SELECT rank, dur_us, g_dur, greatest(g_ts - ts_us - dur_us, 0) AS delay
+      FROM ({_cpu_sql(w, ranks, names)}) AS c ALL INNER JOIN ({gpu}) AS g USING (rank, correlation)) AS j
+GROUP BY rank ORDER BY rank"""
+    return [
+        LaunchStats(int(r), int(n), int(c), int(g), int(d), int(a), int(b), int(e), float(p50), float(p99))
+        for r, n, c, g, d, a, b, e, p50, p99 in store.query(sql).rows()
+    ]
+
+
+@dataclass(frozen=True)
+class QueueLength:
+    """HTA's queue-length summary of one stream: the outstanding operations on it (launched, not
+    yet started), sampled at every change, described as pandas' ``describe()`` does."""
+
+    rank: int
+    stream: int
+    count: int
+    mean: float
+    std: float
+    min: int
+    p25: float
+    p50: float
+    p75: float
+    max: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def _hist_quantile(values: list[int], counts: list[int], q: float) -> float:
+    """numpy's linear-interpolation quantile of the samples a histogram describes."""
+    n = sum(counts)
+    pos = q * (n - 1)
+    lo, frac = int(pos), pos - int(pos)
+
+    def at(i: int) -> int:
+        acc = 0
+        for v, c in zip(values, counts):
+            acc += c
+            if i < acc:
+                return v
+        return values[-1]
+
+    a = at(lo)
+    return float(a) if frac == 0 else a + frac * (at(lo + 1) - a)
+
+
+def queue_length_summary(
+    store: Store, job_id: str, attempt: int = 0, ranks: Sequence[int] | None = None
+) -> list[QueueLength]:
+    """Per rank and stream: +1 when a runtime call launches work on the stream, -1 when that work
+    starts on the GPU; the running count at each change, summarised (count, mean, std, quartiles).
+    The store returns a histogram of the queue lengths, so the quartiles are exact."""
+    w = trace_window(store, job_id, attempt, ranks)
+    gpu = f"SELECT rank, correlation, stream, ts_us AS g_ts FROM ({_events_sql(w, ranks)}) AS e"
+    sql = f"""
+SELECT rank, stream, q, count() AS n FROM (
+  SELECT rank, stream,
+    arrayCumSum(arrayMap(e -> tupleElement(e, 3),
+      arraySort(arrayConcat(arrayMap(t -> (t, 0, 1), groupArray(ts_us)),
+                            arrayMap(t -> (t, 1, -1), groupArray(g_ts)))))) AS qs
+  FROM (SELECT rank, stream, ts_us, g_ts FROM ({_cpu_sql(w, ranks, _QUEUE_LAUNCHES)}) AS c
+        ALL INNER JOIN ({gpu}) AS g USING (rank, correlation)) AS j
+  GROUP BY rank, stream
+) AS s ARRAY JOIN qs AS q
+GROUP BY rank, stream, q ORDER BY rank, stream, q"""
+    hist: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    for r, s, v, n in store.query(sql).rows():
+        vs, cs = hist.setdefault((int(r), int(s)), ([], []))
+        vs.append(int(v))
+        cs.append(int(n))
+    out = []
+    for (r, s), (vs, cs) in sorted(hist.items()):
+        n = sum(cs)
+        mean = sum(v * c for v, c in zip(vs, cs)) / n
+        var = sum(c * (v - mean) ** 2 for v, c in zip(vs, cs)) / (n - 1) if n > 1 else 0.0
+        qs = [_hist_quantile(vs, cs, q) for q in (0.25, 0.5, 0.75)]
+        out.append(QueueLength(r, s, n, mean, var**0.5, vs[0], qs[0], qs[1], qs[2], vs[-1]))
+    return out
+
+
+@dataclass(frozen=True)
+class LedgerWindow:
+    """What the job's own ledger says about the steps a profiler window covers (a window inside a
+    job traced by ranklens): per rank, the steps' mean duration and time inside collectives."""
+
+    first_step: int
+    last_step: int
+    per_rank: dict[int, tuple[int, float, float]]  # rank -> (steps, mean step ms, mean ms in collectives)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "ranks": [
+                {"rank": r, "steps": n, "step_ms": round(d, 3), "in_collectives_ms": round(c, 3)}
+                for r, (n, d, c) in sorted(self.per_rank.items())
+            ],
+        }
+
+
+def ledger_window(
+    store: Store, job_id: str, attempt: int = 0, ranks: Sequence[int] | None = None
+) -> LedgerWindow | None:
+    """The ledger's steps that overlap the job's profiler window (per rank, on the same wall
+    clock), with the compute metric's numbers for them; None when the job has no ledger there."""
+    from ranklens.analyzers.compute import compute_sql
+
+    span = trace_span(store, job_id, attempt, ranks)
+    sel = f" AND rank IN ({', '.join(str(int(r)) for r in ranks)})" if ranks else ""
+    n, lo, hi = store.query(
+        f"SELECT count(), min(step), max(step) FROM steps WHERE job_id = {sql_string(job_id)} "
+        f"AND attempt = {int(attempt)}{sel} AND end_ns > {span.start_ns} AND start_ns < {span.end_ns}"
+    ).rows()[0]
+    if not n:
+        return None
+    keep = set(int(r) for r in ranks) if ranks else None
+    acc: dict[int, list[float]] = {}
+    for rank, _step, dur, wait, _start in store.query(compute_sql(job_id, attempt, int(lo), int(hi))).rows():
+        if keep is not None and int(rank) not in keep:
+            continue
+        a = acc.setdefault(int(rank), [0, 0.0, 0.0])
+        a[0] += 1
+        a[1] += float(dur) / 1e6
+        a[2] += min(float(wait or 0), float(dur)) / 1e6
+    per_rank = {r: (int(a[0]), a[1] / a[0], a[2] / a[0]) for r, a in acc.items() if a[0]}
+    return LedgerWindow(int(lo), int(hi), per_rank)

@@ -48,7 +48,26 @@ def reference(trace_dir: Path) -> dict:
         ranks = ta.t.get_ranks()
         kernel_type, kernels = ta.get_gpu_kernel_breakdown(visualize=False)
         idle = ta.get_idle_time_breakdown(ranks=ranks, visualize=False)[0]
+        launches = {}
+        for rank, df in ta.get_cuda_kernel_launch_stats(ranks=ranks, visualize=False).items():
+            launches[str(rank)] = {
+                "launches": len(df),
+                "cpu_duration_us": _clean(df["cpu_duration"].sum()),
+                "gpu_duration_us": _clean(df["gpu_duration"].sum()),
+                "launch_delay_us": _clean(df["launch_delay"].sum()),
+                "short_gpu_kernels": int((df["gpu_duration"] < df["cpu_duration"]).sum()),
+                "long_runtime_calls": int((df["cpu_duration"] > 50).sum()),
+                "long_launch_delays": int((df["launch_delay"] > 100).sum()),
+            }
+        queue = ta.get_queue_length_summary(ranks=ranks)
+        queue_rows = []
+        if queue is not None:
+            for (rank, stream), row in queue.iterrows():
+                d = {k[1]: _clean(v) for k, v in row.items()}
+                queue_rows.append({"rank": int(rank), "stream": int(stream), **d})
         return {
+            "cuda_kernel_launch_stats": launches,
+            "queue_length_summary": queue_rows,
             "hta_version": version("holistictraceanalysis"),
             "trace_set": trace_dir.name,
             "ranks": [int(r) for r in ranks],

@@ -58,6 +58,9 @@ def analyze_traces(
     kernel_types = T.kernel_type_breakdown(store, job_id, attempt, sel)
     kernels = T.kernel_breakdown(store, job_id, attempt, sel)
     idle = T.idle_time_breakdown(store, job_id, attempt, sel)
+    launches = T.launch_stats(store, job_id, attempt, sel)
+    queues = T.queue_length_summary(store, job_id, attempt, sel)
+    ledger = T.ledger_window(store, job_id, attempt, sel)
     findings = trace_findings(store, job_id, attempt, sel, breakdown=breakdown)
     if save:
         save_findings(store, findings)
@@ -71,6 +74,9 @@ def analyze_traces(
             "kernel_type_breakdown": [k.to_json() for k in kernel_types],
             "kernel_breakdown": [k.to_json() for k in kernels],
             "idle_time_breakdown": [i.to_json() for i in idle],
+            "cuda_kernel_launch_stats": [x.to_json() for x in launches],
+            "queue_length_summary": [x.to_json() for x in queues],
+            "ledger": ledger.to_json() if ledger is not None else None,
             "findings": [f.to_json() for f in findings],
         }
         click.echo(json.dumps(out, default=str))
@@ -117,6 +123,20 @@ def analyze_traces(
             continue
         parts = ", ".join(f"{c} {100.0 * us / total:.0f}%" for c, us in cats.items() if us)
         say(f"  rank {rank} stream {stream}: {total / 1000:.1f} ms idle ({parts})")
+    say("\nKernel launches (CPU runtime call -> GPU start; HTA's cutoffs: call > 50 us, delay > 100 us):")
+    for x in launches:
+        say(
+            f"  rank {x.rank}: {x.launches} launches, launch delay median {x.launch_delay_p50_us:.0f} us, "
+            f"p99 {x.launch_delay_p99_us:.0f} us; {x.short_gpu_kernels} GPU events shorter than their launch call, "
+            f"{x.long_runtime_calls} calls > 50 us, {x.long_launch_delays} delays > 100 us"
+        )
+    say("\nQueue length per stream (operations launched and not started; mean, max):")
+    for q in queues:
+        say(f"  rank {q.rank} stream {q.stream}: mean {q.mean:.1f}, max {q.max} ({q.count} changes)")
+    if ledger is not None:
+        say(f"\nThe job's ledger over the same window (steps {ledger.first_step}-{ledger.last_step}):")
+        for r, (n, step_ms, coll_ms) in sorted(ledger.per_rank.items()):
+            say(f"  rank {r}: {n} steps, {step_ms:.1f} ms per step, {coll_ms:.1f} ms of it inside collectives")
     if findings:
         say(f"\nFindings ({len(findings)}):")
         for f in findings:

@@ -24,7 +24,9 @@ STEPS = 4
 GEMM_US, RELU_US = 1300, 100
 
 
-def _write_rank(path: Path, rank: int, *, gemm_scale: float = 1.0, launch_gap_us: int = 0) -> None:
+def _write_rank(
+    path: Path, rank: int, *, gemm_scale: float = 1.0, launch_gap_us: int = 0
+) -> list[tuple[int, int, int]]:
     """One rank's trace: STEPS ProfilerSteps, each 8 (gemm, relu) pairs launched back to back on
     stream 7 and an all-reduce on stream 20 under the last gemms. ``gemm_scale`` slows the GPU's
     kernels; ``launch_gap_us`` delays each launch (a slow host: the GPU waits)."""
@@ -105,6 +107,9 @@ def _write_rank(path: Path, rank: int, *, gemm_scale: float = 1.0, launch_gap_us
                 "dur": t - step_start,
             }
         )
+    steps = [
+        (int(e["name"].split("#")[1]), e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"].startswith("ProfilerStep")
+    ]
     path.write_text(
         json.dumps(
             {
@@ -114,6 +119,7 @@ def _write_rank(path: Path, rank: int, *, gemm_scale: float = 1.0, launch_gap_us
             }
         )
     )
+    return steps
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +128,19 @@ def synthetic(tmp_path_factory):
     from ranklens.store import open_store
 
     d = tmp_path_factory.mktemp("traces4")
+    steps = []
     for r in range(4):
-        _write_rank(d / f"rank{r}.json", r, gemm_scale=1.5 if r == 2 else 1.0, launch_gap_us=1200 if r == 3 else 0)
+        spans = _write_rank(
+            d / f"rank{r}.json", r, gemm_scale=1.5 if r == 2 else 1.0, launch_gap_us=1200 if r == 3 else 0
+        )
+        steps += [
+            {"job_id": "synthetic4", "rank": r, "step": s, "start_ns": a * 1000, "end_ns": b * 1000}
+            for s, a, b in spans
+        ]
     url = f"embedded://{d / 'store'}"
     store = open_store(url)
     ingest_kineto(store, [d], job_id="synthetic4")
+    store.write("steps", steps)  # the job's own ledger over the same window (a traced job's profiler window)
     return store, url
 
 
@@ -200,7 +214,24 @@ def test_cli_traces_bad_input(synthetic, tmp_path):
     assert r.exit_code != 0 and "holds no profiler traces" in r.output and f"--store {empty}" in r.output
 
 
-def test_plain_analyze_on_a_traces_only_store_points_to_traces(synthetic):
-    _, url = synthetic
+def test_plain_analyze_on_a_traces_only_store_points_to_traces(tmp_path):
+    from ranklens.store import open_store
+
+    url = f"embedded://{tmp_path / 'store'}"
+    ingest_kineto(open_store(url), [DATA / "hta_resnet_ddp_a100_rank0_of2"], job_id="resnet")
     r = CliRunner().invoke(cli, ["analyze", "--store", url])
     assert r.exit_code != 0 and f"`ranklens analyze --traces --store {url}`" in r.output
+
+
+def test_the_window_is_joined_with_the_jobs_ledger(synthetic):
+    from ranklens.analyzers.traces import ledger_window
+
+    store, url = synthetic
+    led = ledger_window(store, "synthetic4")
+    assert led is not None and (led.first_step, led.last_step) == (10, 13)
+    assert sorted(led.per_rank) == [0, 1, 2, 3] and all(n == 4 for n, _, _ in led.per_rank.values())
+    assert led.per_rank[3][1] > 1.5 * led.per_rank[0][1]  # the slow host's steps are longer
+    r = CliRunner().invoke(cli, ["analyze", "--traces", "--store", url, "--json", "--no-save"])
+    assert json.loads(r.output)["ledger"]["first_step"] == 10
+    r = CliRunner().invoke(cli, ["analyze", "--traces", "--store", url, "--no-save"])
+    assert "The job's ledger over the same window (steps 10-13)" in r.output
