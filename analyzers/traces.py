@@ -43,6 +43,7 @@ from ranklens.errors import NotFound
 from ranklens.store.api import Store, sql_string
 
 __all__ = [
+    "KERNEL_TYPE_SQL",
     "IdleTime",
     "KernelStats",
     "KernelTypeTime",
@@ -65,9 +66,10 @@ __all__ = [
 ]
 
 COMPUTATION, COMMUNICATION, MEMORY, OTHER = "COMPUTATION", "COMMUNICATION", "MEMORY", "OTHER"
-# bits of a kernel's type in the sweep's state; the breakdown's labels list them in this order
+# bits of a kernel's type in the sweep's state; the breakdown's labels list them in this order.
+# KERNEL_TYPE_SQL: a kernel's type bit from its name (1 computation, 2 communication, 4 memory, 8 other)
 _BITS = {COMPUTATION: 1, COMMUNICATION: 2, MEMORY: 4, OTHER: 8}
-_KERNEL_TYPE_SQL = (
+KERNEL_TYPE_SQL = (
     "multiIf(match(name, '^nccl.*Kernel'), 2, match(name, '^(Memcpy|Memset|dma)'), 4, "
     "match(name, '^(nccl.*Kernel|.*Memcpy|Memset|.*Sync)'), 8, 1)"
 )
@@ -238,7 +240,7 @@ def _events_sql(w: TraceWindow, ranks: Sequence[int] | None, extra_where: str = 
     bit), name, stream, cat, correlation."""
     where = _where(w.job_id, w.attempt, ranks)
     base = (
-        f"SELECT rank, {_TS_US} AS ts_us, {_END_US} AS end_us, {_KERNEL_TYPE_SQL} AS kt, name, stream, cat, "
+        f"SELECT rank, {_TS_US} AS ts_us, {_END_US} AS end_us, {KERNEL_TYPE_SQL} AS kt, name, stream, cat, "
         f"correlation, {_IS_GPU} AS is_gpu FROM trace_events WHERE {where} AND stream != -1{extra_where}"
     )
     if not w.windowed:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ranklens.errors import IngestError
 from ranklens.formats.digest import feed_file
-from ranklens.formats.kineto import is_kineto_file, iter_kineto_batches
+from ranklens.formats.kineto import check_kineto, is_kineto_file, iter_kineto_batches, kineto_info
 from ranklens.store.api import Store
 from ranklens.store.once import write_once
 
@@ -60,14 +60,14 @@ def ingest_kineto(
         raise IngestError(
             ", ".join(map(str, paths)), "", "no Kineto traces found (*.json or *.json.gz with traceEvents)"
         )
+    infos = {f: kineto_info(f) for f in files}  # the metadata once per file (it may follow the events)
     for f in files:  # pass 1: validate everything, keep nothing
-        for _batch in iter_kineto_batches(f, job_id=job_id or _default_job_id(f), attempt=attempt, rank=rank):
-            pass
+        check_kineto(f, job_id=job_id or _default_job_id(f), attempt=attempt, rank=rank, info=infos[f])
     total = 0
     for f in files:  # pass 2: write; a batch the store holds already (the same trace ingested before) is skipped
         job = job_id or _default_job_id(f)
         key = [b"kineto", _content_digest(f), job.encode(), str(attempt).encode(), str(rank).encode()]
-        batches = iter_kineto_batches(f, job_id=job, attempt=attempt, rank=rank)
+        batches = iter_kineto_batches(f, job_id=job, attempt=attempt, rank=rank, info=infos[f])
         for i, batch in enumerate(batches):
             written, _already = write_once(store, {"trace_events": batch}, [*key, str(i).encode()])
             total += written.get("trace_events", 0)

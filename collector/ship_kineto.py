@@ -28,7 +28,7 @@ log = logging.getLogger("ranklens.collector")
 
 def ship_traces(sh: Shipper, result: ShipResult) -> None:
     """Ship every profiler trace of ``sh``'s spool (under its spool lock, after its segments)."""
-    from ranklens.formats.kineto import iter_kineto_batches
+    from ranklens.formats.kineto import check_kineto, iter_kineto_batches, kineto_info
 
     if not sh.spool_dir.is_dir():
         return
@@ -38,8 +38,8 @@ def ship_traces(sh: Shipper, result: ShipResult) -> None:
         try:
             with open(trace, "rb") as f:
                 base = ingest_id_of(rel, iter(lambda: f.read(1 << 20), b""))
-            for _ in iter_kineto_batches(trace, job_id=job, attempt=int(attempt)):
-                pass  # validate all of it before writing any of it
+            info = kineto_info(trace)
+            check_kineto(trace, job_id=job, attempt=int(attempt), info=info)  # all of it, before writing any
         except FileNotFoundError:
             sh._forget(rel)
             continue
@@ -56,7 +56,7 @@ def ship_traces(sh: Shipper, result: ShipResult) -> None:
                 skip = settle_trace(sh.store, trace, job, int(attempt), base)
             sh._journal.write(sh.in_doubt | {rel})
             sh.in_doubt.add(rel)
-            for i, batch in enumerate(iter_kineto_batches(trace, job_id=job, attempt=int(attempt))):
+            for i, batch in enumerate(iter_kineto_batches(trace, job_id=job, attempt=int(attempt), info=info)):
                 bid = batch_id(base, i)
                 if bid in skip:
                     continue

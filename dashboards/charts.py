@@ -33,6 +33,7 @@ __all__ = [
     "rank_bandwidth_chart",
     "step_trend_chart",
     "to_datetime",
+    "trace_timeline_chart",
 ]
 
 PHASE_COLORS = {
@@ -575,3 +576,51 @@ def log_events_chart(
 def _short(text: Any, n: int) -> str:
     s = str(text).replace("\n", " ")
     return s if len(s) <= n else s[: n - 1] + "…"
+
+
+# -- profiler traces ------------------------------------------------------------------------------
+
+KERNEL_TYPE_COLORS = {"COMPUTATION": "#2ca02c", "COMMUNICATION": "#ff7f0e", "MEMORY": "#9467bd", "OTHER": "#7f7f7f"}
+
+
+def trace_timeline_chart(kernels: pd.DataFrame, title: str = "GPU timeline") -> go.Figure:
+    """One rank's GPU events, one row per CUDA stream, coloured by kernel type (HTA's types).
+
+    Args:
+        kernels: :func:`~ranklens.dashboards.queries.trace_timeline`.
+    """
+    if kernels.empty:
+        return empty_figure("no GPU events in this profiler step", title)
+    streams = sorted(set(kernels["stream"].astype(int)))
+    fig = go.Figure()
+    for kind, color in KERNEL_TYPE_COLORS.items():
+        k = kernels[kernels["kernel_type"] == kind]
+        if k.empty:
+            continue
+        dur_ms = k["dur_ns"].astype("float64") / 1e6
+        fig.add_trace(
+            go.Bar(
+                orientation="h",
+                y=[f"stream {int(s)}" for s in k["stream"]],
+                base=to_datetime(k["ts_ns"]),
+                x=dur_ms,
+                name=kind.lower(),
+                marker_color=color,
+                customdata=np.stack([[_short(n, 90) for n in k["name"]], (dur_ms * 1000).round(1)], axis=1),
+                hovertemplate="%{customdata[0]}<br>%{customdata[1]} us<extra>%{y}</extra>",
+            )
+        )
+    fig.update_layout(
+        title=title,
+        barmode="overlay",
+        height=max(260, 120 + 40 * len(streams)),
+        xaxis={"type": "date"},
+        yaxis={
+            "type": "category",
+            "categoryorder": "array",
+            "categoryarray": [f"stream {s}" for s in reversed(streams)],
+        },
+        legend={"orientation": "h", "y": -0.15, "yanchor": "top"},
+        **_LAYOUT,
+    )
+    return fig

@@ -41,6 +41,7 @@ PAGES: dict[str, tuple[str, str, str]] = {
     "links": ("page_links.py", "Links", "links"),
     "hangs": ("page_hangs.py", "Hangs", "hangs"),
     "gpu_logs": ("page_gpu_logs.py", "GPU and logs", "gpu-logs"),
+    "traces": ("page_traces.py", "GPU traces", "traces"),
 }
 _CTX_KEY = "_ranklens_ctx"
 _JOB_KEY = "ranklens_job"

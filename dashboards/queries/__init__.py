@@ -9,7 +9,7 @@ aggregate the analyzers' own SQL (:mod:`ranklens.analyzers.blame`, :mod:`~rankle
 :mod:`~ranklens.analyzers.links`), so a page shows what the findings beside it were computed from.
 
 One module per page concern: :mod:`.jobs`, :mod:`.findings`, :mod:`.timeline`, :mod:`.heatmaps`,
-:mod:`.links`, :mod:`.hangs`, :mod:`.gpu_logs`. The pages call :func:`cached`, which runs a fetch
+:mod:`.links`, :mod:`.hangs`, :mod:`.gpu_logs`, :mod:`.traces`. The pages call :func:`cached`, which runs a fetch
 function of :data:`QUERIES` through ``st.cache_data`` with a short TTL (the job may be running),
 keyed by the store URL and the arguments. The queries of :data:`VERSIONED`, which read only a job's
 steps, phases, collectives and ranks, are cached by that job's data version as well
@@ -49,6 +49,13 @@ from ranklens.dashboards.queries.links import (
     rank_bandwidth,
 )
 from ranklens.dashboards.queries.timeline import timeline_collectives, timeline_phases, worst_ranks
+from ranklens.dashboards.queries.traces import (
+    trace_breakdown,
+    trace_kernel_types,
+    trace_steps,
+    trace_timeline,
+    trace_top_kernels,
+)
 from ranklens.store.api import Store
 
 __all__ = [
@@ -93,6 +100,11 @@ __all__ = [
     "step_trend",
     "timeline_collectives",
     "timeline_phases",
+    "trace_breakdown",
+    "trace_kernel_types",
+    "trace_steps",
+    "trace_timeline",
+    "trace_top_kernels",
     "worst_ranks",
 ]
 
@@ -126,6 +138,11 @@ QUERIES: dict[str, Callable[..., Any]] = {
         gpu_events,
         log_classes,
         log_events,
+        trace_breakdown,
+        trace_kernel_types,
+        trace_top_kernels,
+        trace_steps,
+        trace_timeline,
     )
 }
 

@@ -63,6 +63,21 @@ ORDER BY last_ns DESC
 LIMIT {int(limit)}
 """,
     )
+    # a job known only by its profiler traces (ingested Kineto traces) is a job too
+    traced = frame(
+        store,
+        f"""
+SELECT job_id, attempt, uniqExact(rank) AS ranks, toInt64(0) AS first_step, toInt64(-1) AS last_step,
+       min(ts_ns) AS first_ns, max(ts_ns + dur_ns) AS last_ns, toInt64(0) AS median_step_ns
+FROM trace_events
+GROUP BY job_id, attempt
+ORDER BY last_ns DESC
+LIMIT {int(limit)}
+""",
+    )
+    if not traced.empty:
+        ledger = pd.concat([ledger, traced], ignore_index=True) if not ledger.empty else traced
+        ledger = ledger.drop_duplicates(["job_id", "attempt"]).reset_index(drop=True)
     if not ledger.empty:
         known = set(zip(jobs["job_id"], jobs["attempt"]))
         extra = ledger[[(j, a) not in known for j, a in zip(ledger["job_id"], ledger["attempt"])]]
@@ -119,6 +134,11 @@ def job_bounds(store: Store, job_id: str, attempt: int) -> JobBounds:
         ).rows()[0]
         if int(c[3]):
             return JobBounds(job_id, int(attempt), max(int(c[0]), int(h[1])), int(h[0]), 0, -1, int(c[1]), int(c[2]))
+        t = store.query(
+            f"SELECT uniqExact(rank), min(ts_ns), max(ts_ns + dur_ns), count() FROM trace_events WHERE {w}"
+        ).rows()[0]
+        if int(t[3]):  # only profiler traces
+            return JobBounds(job_id, int(attempt), int(t[0]), int(h[0]), 0, -1, int(t[1]), int(t[2]))
     return JobBounds(
         job_id=job_id,
         attempt=int(attempt),

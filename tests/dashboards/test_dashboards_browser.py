@@ -44,6 +44,7 @@ PAGES = [
     ("links", "Links", 3),
     ("hangs", "Hangs", 2),
     ("gpu-logs", "GPU and logs", 2),
+    ("traces", "GPU traces", 1),
 ]
 
 STATE_JS = """JSON.stringify((() => {
@@ -109,6 +110,10 @@ def jobs(tmp_path_factory):
             }
         ],
     )
+    from ranklens.collector.kineto import ingest_kineto
+
+    # a profiler window of the job: the recorded 2-rank traces, for the GPU traces page
+    ingest_kineto(store, [ROOT / "tests" / "data" / "kineto" / "hta_recsys_2rank_of128"], job_id=job.job_id)
     return {"url": store.url, "job": job, "hung": hung, "finding": findings[0]}
 
 
@@ -173,6 +178,7 @@ def test_every_page_renders_its_charts(chromium_path, server, jobs):
         "links": {"job": job.job_id},
         "hangs": {"job": jobs["hung"].job_id, "pg": "0"},
         "gpu-logs": {"job": job.job_id},
+        "traces": {"job": job.job_id, "rank": 1},
     }
     SHOTS.mkdir(parents=True, exist_ok=True)
     problems = []
