@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ranklens.errors import IngestError
-from ranklens.records import to_arrow
 
 __all__ = ["INFO_KEYS", "check_kineto", "is_kineto_file", "iter_kineto_batches", "kineto_info"]
 
@@ -103,7 +102,30 @@ def _us_to_ns(us: int | float) -> int:
     return us * 1000 if isinstance(us, int) else round(us * 1000)
 
 
-def _row(ev: dict[str, Any], base_ns: int, ident: dict[str, Any], source: str) -> dict[str, Any] | None:
+# the per-event columns of a trace_events row, in the order _row returns them (job_id, attempt,
+# rank and source are the same for every event of a file)
+_FIELDS = (
+    "ts_ns",
+    "dur_ns",
+    "cat",
+    "name",
+    "pid",
+    "tid",
+    "device",
+    "stream",
+    "correlation",
+    "external_id",
+    "collective",
+    "in_nelems",
+    "group_size",
+)
+
+
+def _fast_int(v: Any) -> int:
+    return v if type(v) is int else _int(v)
+
+
+def _row(ev: dict[str, Any], base_ns: int) -> tuple[Any, ...] | None:
     if ev.get("ph") != "X":
         return None
     ts, dur = ev.get("ts"), ev.get("dur", 0)
@@ -117,28 +139,38 @@ def _row(ev: dict[str, Any], base_ns: int, ident: dict[str, Any], source: str) -
     raw_args = ev.get("args")
     args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
     name = str(ev.get("name", ""))
+    cat = str(ev.get("cat", ""))
     collective = str(args.get("Collective name", "") or "")
-    if not collective and ev.get("cat") == "kernel":
+    if not collective and cat == "kernel":
         m = _NCCL.match(name)
         if m:
             collective = m.group(1).lower()
-    return {
-        **ident,
-        "ts_ns": base_ns + _us_to_ns(ts),
-        "dur_ns": _us_to_ns(dur),
-        "cat": str(ev.get("cat", "")),
-        "name": name,
-        "pid": str(ev.get("pid", "")),
-        "tid": str(ev.get("tid", "")),
-        "device": _int(args.get("device")),
-        "stream": _int(args.get("stream")),
-        "correlation": _int(args.get("correlation")),
-        "external_id": _int(args.get("External id")),
-        "collective": collective,
-        "in_nelems": _int(args.get("In msg nelems")),
-        "group_size": _int(args.get("Group size")),
-        "source": source,
-    }
+    return (
+        base_ns + _us_to_ns(ts),
+        _us_to_ns(dur),
+        cat,
+        name,
+        str(ev.get("pid", "")),
+        str(ev.get("tid", "")),
+        _fast_int(args.get("device", -1)),
+        _fast_int(args.get("stream", -1)),
+        _fast_int(args.get("correlation", -1)),
+        _fast_int(args.get("External id", -1)),
+        collective,
+        _fast_int(args.get("In msg nelems", -1)),
+        _fast_int(args.get("Group size", -1)),
+    )
+
+
+def _batch(rows: list[tuple[Any, ...]], ident: dict[str, Any], source: str) -> Any:
+    """An Arrow batch of trace_events from _row tuples, built column by column."""
+    from ranklens.records import arrow_schema, arrow_table
+
+    n = len(rows)
+    cols: dict[str, Any] = {k: [v] * n for k, v in ident.items()}
+    cols.update(zip(_FIELDS, (list(c) for c in zip(*rows))))
+    cols["source"] = [source] * n
+    return arrow_table(cols, schema=arrow_schema("trace_events"))
 
 
 def iter_kineto_batches(
@@ -152,8 +184,9 @@ def iter_kineto_batches(
 ) -> Iterator[Any]:
     """Arrow batches of ``trace_events`` rows from one trace, streamed (``info``: the file's
     :func:`kineto_info`, when the caller has it already). Raises IngestError."""
-    for rows in _row_lists(Path(path), job_id, attempt, rank, batch_rows, info):
-        yield to_arrow("trace_events", rows, validate=False)
+    p = Path(path)
+    for ident, rows in _row_lists(p, job_id, attempt, rank, batch_rows, info):
+        yield _batch(rows, ident, p.name)
 
 
 def check_kineto(
@@ -161,18 +194,18 @@ def check_kineto(
 ) -> int:
     """Read a whole trace as :func:`iter_kineto_batches` would, building nothing: the number of
     complete events it holds. Raises IngestError (the validation pass before anything is written)."""
-    return sum(len(rows) for rows in _row_lists(Path(path), job_id, attempt, rank, 50_000, info))
+    return sum(len(rows) for _ident, rows in _row_lists(Path(path), job_id, attempt, rank, 50_000, info))
 
 
 def _row_lists(
     p: Path, job_id: str, attempt: int, rank: int | None, batch_rows: int, info: dict[str, Any] | None
-) -> Iterator[list[dict[str, Any]]]:
+) -> Iterator[tuple[dict[str, Any], list[tuple[Any, ...]]]]:
     import ijson
 
     info = kineto_info(p) if info is None else info
     base_ns = _int(info.get("baseTimeNanoseconds"), 0)
     ident = {"job_id": job_id, "attempt": attempt, "rank": _rank_of(p, info, rank)}
-    rows: list[dict[str, Any]] = []
+    rows: list[tuple[Any, ...]] = []
     n = 0
     try:
         with _open(p) as f:
@@ -181,17 +214,17 @@ def _row_lists(
                 if not isinstance(ev, dict):
                     raise IngestError(str(p), f"event {n}", "is not a JSON object")
                 try:
-                    row = _row(ev, base_ns, ident, p.name)
+                    row = _row(ev, base_ns)
                 except ValueError as e:
                     raise IngestError(str(p), f"event {n}", str(e)) from None
                 if row is not None:
                     rows.append(row)
                 if len(rows) >= batch_rows:
-                    yield rows
+                    yield ident, rows
                     rows = []
     except (ijson.JSONError, ijson.IncompleteJSONError, OSError, EOFError, zlib.error) as e:
         raise IngestError(str(p), f"after event {n}", f"the trace is corrupt or truncated: {e}") from None
     if n == 0:
         raise IngestError(str(p), "", "no traceEvents in this file")
     if rows:
-        yield rows
+        yield ident, rows
