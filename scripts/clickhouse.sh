@@ -2,11 +2,17 @@
 # Start/stop a throw-away ClickHouse server (Debian's clickhouse-server) on loopback for the tests.
 # Usage: scripts/clickhouse.sh start|stop [DIR]   (DIR defaults to /tmp/ranklens-clickhouse)
 # Ports: native 127.0.0.1:${RANKLENS_CH_TCP_PORT:-9000}, http ${RANKLENS_CH_HTTP_PORT:-8123}.
+# RANKLENS_CH_QUERY_LOG=1: log every query in system.query_log (its memory_usage: what benchmarks read).
 set -euo pipefail
 cmd=${1:?usage: $0 start|stop [DIR]}
 dir=${2:-/tmp/ranklens-clickhouse}
 tcp=${RANKLENS_CH_TCP_PORT:-9000}
 http=${RANKLENS_CH_HTTP_PORT:-8123}
+qlog=""; logq=""
+if [ "${RANKLENS_CH_QUERY_LOG:-0}" = 1 ]; then
+  qlog="<query_log><database>system</database><table>query_log</table><flush_interval_milliseconds>1000</flush_interval_milliseconds></query_log>"
+  logq="<log_queries>1</log_queries>"
+fi
 case "$cmd" in
 start)
   command -v clickhouse-server >/dev/null || { echo "clickhouse-server is not installed (apt-get install clickhouse-server)" >&2; exit 2; }
@@ -26,6 +32,7 @@ start)
   <default_database>default</default_database>
   <mark_cache_size>268435456</mark_cache_size>
   <max_concurrent_queries>100</max_concurrent_queries>
+  $qlog
   <!-- a one-shard "cluster" of this server: Distributed tables in the tests (no ZooKeeper needed) -->
   <remote_servers><ranklens_self><shard><replica><host>127.0.0.1</host><port>$tcp</port></replica></shard></ranklens_self></remote_servers>
 </yandex>
@@ -33,7 +40,7 @@ XML
   cat >"$dir/users.xml" <<XML
 <?xml version="1.0"?>
 <yandex>
-  <profiles><default><max_memory_usage>4000000000</max_memory_usage></default></profiles>
+  <profiles><default><max_memory_usage>4000000000</max_memory_usage>$logq</default></profiles>
   <users><default><password></password><networks><ip>127.0.0.1</ip><ip>::1</ip></networks><profile>default</profile><quota>default</quota></default></users>
   <quotas><default><interval><duration>3600</duration><queries>0</queries><errors>0</errors><result_rows>0</result_rows><read_rows>0</read_rows><execution_time>0</execution_time></interval></default></quotas>
 </yandex>
