@@ -33,7 +33,7 @@ loads a trace into Python. Works on chDB and ClickHouse >= 18.16.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,21 +235,43 @@ def trace_window(store: Store, job_id: str, attempt: int = 0, ranks: Sequence[in
     return TraceWindow(job_id, attempt, tuple(int(r) for r in got), int(steps), int(steps) >= 2)
 
 
-def _events_sql(w: TraceWindow, ranks: Sequence[int] | None, extra_where: str = "") -> str:
+# ranks analysed per statement: each rank's kernels become arrays in the store, so a 10,000-rank
+# job is swept a slice of ranks at a time, in bounded memory
+RANKS_PER_QUERY = 64
+
+
+def _rows(
+    store: Store, w: TraceWindow, ranks: Sequence[int] | None, sql_for: Callable[[Sequence[int] | None], str]
+) -> Iterator[tuple[Any, ...]]:
+    """The rows of ``sql_for(slice)`` over slices of the analysed ranks (one statement for a job
+    of up to RANKS_PER_QUERY ranks)."""
+    sel = list(ranks) if ranks else list(w.ranks)
+    if len(sel) <= RANKS_PER_QUERY:
+        yield from store.query(sql_for(ranks or None)).rows()
+        return
+    for i in range(0, len(sel), RANKS_PER_QUERY):
+        yield from store.query(sql_for(sel[i : i + RANKS_PER_QUERY])).rows()
+
+
+def _last_step_sql(where: str) -> str:
+    """The start of each rank's last profiler step (CPU side): the analysed window ends there."""
+    return (
+        f"SELECT rank, max({_TS_US}) AS win_end_us FROM trace_events WHERE {where} "
+        f"AND position(name, 'ProfilerStep') > 0 AND NOT {_IS_GPU} GROUP BY rank"
+    )
+
+
+def _events_sql(w: TraceWindow, ranks: Sequence[int] | None) -> str:
     """The rows of the analysed window that are on a CUDA stream: rank, ts_us, end_us, kt (type
     bit), name, stream, cat, correlation."""
     where = _where(w.job_id, w.attempt, ranks)
     base = (
         f"SELECT rank, {_TS_US} AS ts_us, {_END_US} AS end_us, {KERNEL_TYPE_SQL} AS kt, name, stream, cat, "
-        f"correlation, {_IS_GPU} AS is_gpu FROM trace_events WHERE {where} AND stream != -1{extra_where}"
+        f"correlation, {_IS_GPU} AS is_gpu FROM trace_events WHERE {where} AND stream != -1"
     )
     if not w.windowed:
         return f"SELECT rank, ts_us, end_us, kt, name, stream, cat, correlation FROM ({base}) AS ev"
-    # the start of each rank's last profiler step (CPU side): events launched before it are analysed
-    last_step = (
-        f"SELECT rank, max({_TS_US}) AS win_end_us FROM trace_events WHERE {where} "
-        f"AND position(name, 'ProfilerStep') > 0 AND NOT {_IS_GPU} GROUP BY rank"
-    )
+    last_step = _last_step_sql(where)  # events launched before each rank's last step are analysed
     launched = (
         f"SELECT rank, correlation FROM (SELECT rank, {_TS_US} AS ts_us, correlation FROM trace_events "
         f"WHERE {where} AND NOT {_IS_GPU} AND correlation >= 0) AS c "
@@ -297,7 +319,7 @@ ORDER BY rank, st"""
 def _states(store: Store, w: TraceWindow, ranks: Sequence[int] | None) -> dict[int, tuple[int, dict[int, int]]]:
     """rank -> (kernel_time_us, {state: us})."""
     out: dict[int, tuple[int, dict[int, int]]] = {}
-    for rank, state, dur, first, last in store.query(_sweep_sql(w, ranks)).rows():
+    for rank, state, dur, first, last in _rows(store, w, ranks, lambda rs: _sweep_sql(w, rs)):
         _kernel_time, states = out.setdefault(int(rank), (int(last) - int(first), {}))
         states[int(state)] = states.get(int(state), 0) + int(dur)
     return out
@@ -382,14 +404,17 @@ def kernel_breakdown(
     w = trace_window(store, job_id, attempt, ranks)
     types = {COMPUTATION: 1, COMMUNICATION: 2} | ({MEMORY: 4} if include_memory else {})
     kts = ", ".join(str(v) for v in types.values())
-    sql = (
-        "SELECT rank, kt, name, count() AS n, sum(d) AS s, max(d) AS mx, min(d) AS mn, sum(d * d) AS s2 "
-        f"FROM (SELECT rank, kt, name, end_us - ts_us AS d FROM ({_events_sql(w, ranks)}) AS e "
-        f"WHERE kt IN ({kts})) AS k "
-        "GROUP BY rank, kt, name"
-    )
+
+    def sql(rs: Sequence[int] | None) -> str:
+        return (
+            "SELECT rank, kt, name, count() AS n, sum(d) AS s, max(d) AS mx, min(d) AS mn, sum(d * d) AS s2 "
+            f"FROM (SELECT rank, kt, name, end_us - ts_us AS d FROM ({_events_sql(w, rs)}) AS e "
+            f"WHERE kt IN ({kts})) AS k "
+            "GROUP BY rank, kt, name"
+        )
+
     by: dict[tuple[int, int], list[tuple[str, int, int, int, int, int]]] = {}
-    for rank, kt, name, n, s, mx, mn, s2 in store.query(sql).rows():
+    for rank, kt, name, n, s, mx, mn, s2 in _rows(store, w, ranks, sql):
         by.setdefault((int(rank), int(kt)), []).append((str(name), int(n), int(s), int(mx), int(mn), int(s2)))
     type_name = {v: k for k, v in types.items()}
     out: list[KernelStats] = []
@@ -438,18 +463,19 @@ def idle_time_breakdown(
     stream's previous kernel ended: the CPU was late), ``kernel_wait`` (a gap shorter than
     ``consecutive_kernel_delay_us``: launch overhead), ``other``."""
     w = trace_window(store, job_id, attempt, ranks)
-    where = _where(job_id, attempt, ranks)
-    kernels = (
-        f"SELECT rank, stream, ts_us, end_us, correlation FROM ({_events_sql(w, ranks)}) AS e "
-        f"WHERE cat IN {_KERNEL_CATS}"
-    )
-    launches = (
-        f"SELECT rank, correlation, any({_TS_US}) AS launch_us FROM trace_events "
-        f"WHERE {where} AND NOT {_IS_GPU} AND correlation >= 0 GROUP BY rank, correlation"
-    )
     delay = int(consecutive_kernel_delay_us)
-    # per stream, kernels by start: the gap before each to the previous one's end, and its cause
-    sql = f"""
+
+    def sql(rs: Sequence[int] | None) -> str:
+        kernels = (
+            f"SELECT rank, stream, ts_us, end_us, correlation FROM ({_events_sql(w, rs)}) AS e "
+            f"WHERE cat IN {_KERNEL_CATS}"
+        )
+        launches = (
+            f"SELECT rank, correlation, any({_TS_US}) AS launch_us FROM trace_events "
+            f"WHERE {_where(job_id, attempt, rs)} AND NOT {_IS_GPU} AND correlation >= 0 GROUP BY rank, correlation"
+        )
+        # per stream, kernels by start: the gap before each to the previous one's end, and its cause
+        return f"""
 SELECT rank, stream, cat_, sum(gap) AS idle_us FROM (
   SELECT rank, stream, arraySort(groupArray((ts_us, end_us, launch_us, has_launch))) AS ks,
     arrayMap((p, k) -> tupleElement(k, 1) - tupleElement(p, 2), arrayPopBack(ks), arrayPopFront(ks)) AS gaps,
@@ -462,8 +488,9 @@ SELECT rank, stream, cat_, sum(gap) AS idle_us FROM (
 ) AS s LEFT ARRAY JOIN gaps AS gap, cats AS cat_
 GROUP BY rank, stream, cat_
 ORDER BY rank, stream, cat_"""
+
     idle: dict[tuple[int, int], dict[str, int]] = {}
-    for r, s, c, d in store.query(sql).rows():
+    for r, s, c, d in _rows(store, w, ranks, sql):
         # as HTA: a stream lists the categories of its gaps, and `other` always (its first kernel's)
         by_cat = idle.setdefault((int(r), int(s)), {"other": 0})
         if c:  # '' is a stream with a single kernel: no gap
@@ -484,12 +511,15 @@ def kernel_launches(
     window; what kernel-level stragglers are found from (the same kernel, slower on one rank)."""
     w = trace_window(store, job_id, attempt, ranks)
     bit = _BITS[kernel_type]
-    sql = (
-        "SELECT name, rank, count() AS n, avg(end_us - ts_us) AS mean_us "
-        f"FROM ({_events_sql(w, ranks)}) AS e WHERE kt = {bit} GROUP BY name, rank"
-    )
+
+    def sql(rs: Sequence[int] | None) -> str:
+        return (
+            "SELECT name, rank, count() AS n, avg(end_us - ts_us) AS mean_us "
+            f"FROM ({_events_sql(w, rs)}) AS e WHERE kt = {bit} GROUP BY name, rank"
+        )
+
     out: dict[str, dict[int, tuple[int, float]]] = {}
-    for name, rank, n, mean in store.query(sql).rows():
+    for name, rank, n, mean in _rows(store, w, ranks, sql):
         out.setdefault(str(name), {})[int(rank)] = (int(n), float(mean))
     return out
 
@@ -549,10 +579,7 @@ def _cpu_sql(w: TraceWindow, ranks: Sequence[int] | None, names: Sequence[str]) 
     )
     if not w.windowed:
         return base
-    last_step = (
-        f"SELECT rank, max({_TS_US}) AS win_end_us FROM trace_events WHERE {where} "
-        f"AND position(name, 'ProfilerStep') > 0 AND NOT {_IS_GPU} GROUP BY rank"
-    )
+    last_step = _last_step_sql(where)
     return (
         f"SELECT rank, correlation, ts_us, dur_us FROM ({base}) AS c ALL INNER JOIN ({last_step}) AS l "
         "USING (rank) WHERE ts_us < win_end_us"
@@ -593,17 +620,20 @@ def launch_stats(
     id), summarised with HTA's cutoffs (a runtime call over 50 us, a launch delay over 100 us)."""
     w = trace_window(store, job_id, attempt, ranks)
     names = (*_KERNEL_LAUNCHES, *(_MEMORY_LAUNCHES if include_memory_events else ()))
-    gpu = f"SELECT rank, correlation, ts_us AS g_ts, end_us - ts_us AS g_dur FROM ({_events_sql(w, ranks)}) AS e"
-    sql = f"""
+
+    def sql(rs: Sequence[int] | None) -> str:
+        gpu = f"SELECT rank, correlation, ts_us AS g_ts, end_us - ts_us AS g_dur FROM ({_events_sql(w, rs)}) AS e"
+        return f"""
 SELECT rank, count(), sum(dur_us), sum(g_dur), sum(delay), countIf(g_dur < dur_us),
   countIf(dur_us > {int(runtime_cutoff_us)}), countIf(delay > {int(launch_delay_cutoff_us)}),
   quantileExact(0.5)(delay), quantileExact(0.99)(delay)
 FROM (SELECT rank, dur_us, g_dur, greatest(g_ts - ts_us - dur_us, 0) AS delay
-      FROM ({_cpu_sql(w, ranks, names)}) AS c ALL INNER JOIN ({gpu}) AS g USING (rank, correlation)) AS j
+      FROM ({_cpu_sql(w, rs, names)}) AS c ALL INNER JOIN ({gpu}) AS g USING (rank, correlation)) AS j
 GROUP BY rank ORDER BY rank"""
+
     return [
         LaunchStats(int(r), int(n), int(c), int(g), int(d), int(a), int(b), int(e), float(p50), float(p99))
-        for r, n, c, g, d, a, b, e, p50, p99 in store.query(sql).rows()
+        for r, n, c, g, d, a, b, e, p50, p99 in _rows(store, w, ranks, sql)
     ]
 
 
@@ -652,20 +682,23 @@ def queue_length_summary(
     starts on the GPU; the running count at each change, summarised (count, mean, std, quartiles).
     The store returns a histogram of the queue lengths, so the quartiles are exact."""
     w = trace_window(store, job_id, attempt, ranks)
-    gpu = f"SELECT rank, correlation, stream, ts_us AS g_ts FROM ({_events_sql(w, ranks)}) AS e"
-    sql = f"""
+
+    def sql(rs: Sequence[int] | None) -> str:
+        gpu = f"SELECT rank, correlation, stream, ts_us AS g_ts FROM ({_events_sql(w, rs)}) AS e"
+        return f"""
 SELECT rank, stream, q, count() AS n FROM (
   SELECT rank, stream,
     arrayCumSum(arrayMap(e -> tupleElement(e, 3),
       arraySort(arrayConcat(arrayMap(t -> (t, 0, 1), groupArray(ts_us)),
                             arrayMap(t -> (t, 1, -1), groupArray(g_ts)))))) AS qs
-  FROM (SELECT rank, stream, ts_us, g_ts FROM ({_cpu_sql(w, ranks, _QUEUE_LAUNCHES)}) AS c
+  FROM (SELECT rank, stream, ts_us, g_ts FROM ({_cpu_sql(w, rs, _QUEUE_LAUNCHES)}) AS c
         ALL INNER JOIN ({gpu}) AS g USING (rank, correlation)) AS j
   GROUP BY rank, stream
 ) AS s ARRAY JOIN qs AS q
 GROUP BY rank, stream, q ORDER BY rank, stream, q"""
+
     hist: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
-    for r, s, v, n in store.query(sql).rows():
+    for r, s, v, n in _rows(store, w, ranks, sql):
         vs, cs = hist.setdefault((int(r), int(s)), ([], []))
         vs.append(int(v))
         cs.append(int(n))

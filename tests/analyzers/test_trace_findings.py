@@ -235,3 +235,24 @@ def test_the_window_is_joined_with_the_jobs_ledger(synthetic):
     assert json.loads(r.output)["ledger"]["first_step"] == 10
     r = CliRunner().invoke(cli, ["analyze", "--traces", "--store", url, "--no-save"])
     assert "The job's ledger over the same window (steps 10-13)" in r.output
+
+
+def test_a_job_is_swept_a_slice_of_ranks_at_a_time_with_the_same_numbers(synthetic, monkeypatch):
+    """Each rank's kernels become arrays in the store: a large job is analysed RANKS_PER_QUERY
+    ranks per statement; the slices give the numbers one statement gives."""
+    from ranklens.analyzers import traces as T
+
+    store, _ = synthetic
+    analyses = (
+        T.temporal_breakdown,
+        T.kernel_type_breakdown,
+        T.kernel_breakdown,
+        T.idle_time_breakdown,
+        T.launch_stats,
+        T.queue_length_summary,
+        T.kernel_launches,
+    )
+    whole = [f(store, "synthetic4") for f in analyses]
+    monkeypatch.setattr(T, "RANKS_PER_QUERY", 1)
+    assert [f(store, "synthetic4") for f in analyses] == whole
+    assert [f(store, "synthetic4", ranks=[3, 1]) for f in analyses[:1]] == [[x for x in whole[0] if x.rank in (1, 3)]]
