@@ -82,6 +82,18 @@ def analyze_traces(
         click.echo(json.dumps(out, default=str))
         return
     say = click.echo
+    if not breakdown:  # a CPU-only profile (or a window with no launches in it)
+        cats = store.query(
+            f"SELECT cat, count() FROM trace_events WHERE job_id = {sql_string(job_id)} AND attempt = {int(attempt)} "
+            "GROUP BY cat ORDER BY count() DESC LIMIT 8"
+        ).rows()
+        seen = ", ".join(f"{c or '(none)'} {n}" for c, n in cats)
+        say(
+            f"job {job_id} attempt {attempt}: its profiler traces hold no GPU events in the analysed window "
+            f"(kernels, memcpy, memset on a CUDA stream), so there is no GPU time to break down; "
+            f"events by category: {seen}. Profile with ProfilerActivity.CUDA on a GPU."
+        )
+        return
     steps = (
         f"{window.profiler_steps} profiler steps, the last left out"
         if window.windowed

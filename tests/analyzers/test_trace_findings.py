@@ -256,3 +256,23 @@ def test_a_job_is_swept_a_slice_of_ranks_at_a_time_with_the_same_numbers(synthet
     monkeypatch.setattr(T, "RANKS_PER_QUERY", 1)
     assert [f(store, "synthetic4") for f in analyses] == whole
     assert [f(store, "synthetic4", ranks=[3, 1]) for f in analyses[:1]] == [[x for x in whole[0] if x.rank in (1, 3)]]
+
+
+def test_a_cpu_only_profile_says_there_is_no_gpu_time(tmp_path):
+    """A torch.profiler trace of a CPU-only run (no event on a CUDA stream): said plainly, exit 0."""
+    from ranklens.store import open_store
+
+    trace = tmp_path / "rank0.pt.trace.json"
+    ev = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10 + i * 100, "dur": 50}
+        for i in range(5)
+    ]
+    trace.write_text(json.dumps({"schemaVersion": 1, "traceEvents": ev}))
+    url = f"embedded://{tmp_path / 'store'}"
+    ingest_kineto(open_store(url), [trace], job_id="cpu", rank=0)
+    r = CliRunner().invoke(cli, ["analyze", "--traces", "--store", url, "--no-save"])
+    assert r.exit_code == 0, r.output
+    assert "hold no GPU events" in r.output and "cpu_op 5" in r.output
+    r = CliRunner().invoke(cli, ["analyze", "--traces", "--store", url, "--no-save", "--json"])
+    out = json.loads(r.output)
+    assert out["temporal_breakdown"] == [] and out["findings"] == []
