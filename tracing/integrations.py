@@ -65,7 +65,7 @@ def lightning_callback() -> Any:
     try:
         from lightning.pytorch import Callback
     except ImportError:
-        from pytorch_lightning import Callback  # type: ignore[assignment]  # the older package's own class
+        from pytorch_lightning import Callback  # the older package's own class
 
     class RanklensLightningCallback(Callback):
         def __init__(self) -> None:
