@@ -100,6 +100,9 @@ def analyze_traces(
         else "no profiler steps to window by: every event"
     )
     say(f"job {job_id} attempt {attempt}: profiler traces of {len(window.ranks)} rank(s) ({steps})")
+    missing = sorted(set(window.ranks) - {b.rank for b in breakdown})
+    if missing:  # e.g. a rank whose trace has no ProfilerStep while its peers' do: no analysed window
+        say(f"  no GPU events in the analysed window on rank(s) {', '.join(map(str, missing[:20]))}")
     say("\nGPU time per rank (% of the window from the first kernel to the last):")
     say(
         f"  {'rank':>6} {'window ms':>10} {'idle %':>7} {'compute %':>9} {'non-compute %':>13} "
