@@ -238,8 +238,10 @@ def _print_findings(findings: list[Any], coverage: Any = None) -> None:
     is_flag=True,
     help="Analyze the job's torch.profiler (Kineto) traces instead of its ledger: Holistic Trace "
     "Analysis' temporal breakdown (idle / compute / non-compute %), comm/comp overlap, kernel-type and "
-    "top-kernel breakdowns and idle time per stream, for every traced rank, computed in the store; "
-    "findings: trace_idle, kernel_straggler, exposed_communication. Default job: the last one traced.",
+    "top-kernel breakdowns, idle time per stream, kernel launch statistics and queue lengths, for every "
+    "traced rank, computed in the store, and the job's ledger over the same window; findings: "
+    "trace_idle, kernel_straggler, exposed_communication. Default job: the last one traced "
+    "(docs/traces.md).",
 )
 @click.option(
     "--rank",
