@@ -43,6 +43,7 @@ from ranklens.errors import NotFound
 from ranklens.store.api import Store, sql_string
 
 __all__ = [
+    "KERNEL_TYPE_BITS",
     "KERNEL_TYPE_SQL",
     "IdleTime",
     "KernelStats",
@@ -52,6 +53,7 @@ __all__ = [
     "QueueLength",
     "RankBreakdown",
     "TraceWindow",
+    "breakdowns",
     "idle_time_breakdown",
     "kernel_breakdown",
     "kernel_launches",
@@ -67,8 +69,8 @@ __all__ = [
 
 COMPUTATION, COMMUNICATION, MEMORY, OTHER = "COMPUTATION", "COMMUNICATION", "MEMORY", "OTHER"
 # bits of a kernel's type in the sweep's state; the breakdown's labels list them in this order.
-# KERNEL_TYPE_SQL: a kernel's type bit from its name (1 computation, 2 communication, 4 memory, 8 other)
-_BITS = {COMPUTATION: 1, COMMUNICATION: 2, MEMORY: 4, OTHER: 8}
+# KERNEL_TYPE_SQL: a kernel's type bit (KERNEL_TYPE_BITS) from its name
+KERNEL_TYPE_BITS = {COMPUTATION: 1, COMMUNICATION: 2, MEMORY: 4, OTHER: 8}
 KERNEL_TYPE_SQL = (
     "multiIf(match(name, '^nccl.*Kernel'), 2, match(name, '^(Memcpy|Memset|dma)'), 4, "
     "match(name, '^(nccl.*Kernel|.*Memcpy|Memset|.*Sync)'), 8, 1)"
@@ -222,8 +224,9 @@ def trace_window(store: Store, job_id: str, attempt: int = 0, ranks: Sequence[in
         NotFound: the store holds no trace events of this job (and ranks).
     """
     where = _where(job_id, attempt, ranks)
-    n, steps = store.query(
-        f"SELECT count(), uniqExactIf(name, position(name, 'ProfilerStep') > 0) FROM trace_events WHERE {where}"
+    n, steps, got = store.query(
+        "SELECT count(), uniqExactIf(name, position(name, 'ProfilerStep') > 0), groupUniqArray(rank) "
+        f"FROM trace_events WHERE {where}"
     ).rows()[0]
     if not n:
         which = f" rank(s) {', '.join(map(str, ranks))} of" if ranks else ""
@@ -231,8 +234,7 @@ def trace_window(store: Store, job_id: str, attempt: int = 0, ranks: Sequence[in
             f"no profiler trace events of{which} job {job_id!r} attempt {attempt}; "
             "`ranklens ingest TRACE_DIR --format kineto` loads torch.profiler traces"
         )
-    got = store.query(f"SELECT DISTINCT rank FROM trace_events WHERE {where} ORDER BY rank").column("rank")
-    return TraceWindow(job_id, attempt, tuple(int(r) for r in got), int(steps), int(steps) >= 2)
+    return TraceWindow(job_id, attempt, tuple(sorted(int(r) for r in got)), int(steps), int(steps) >= 2)
 
 
 # ranks analysed per statement: each rank's kernels become arrays in the store, so a 10,000-rank
@@ -286,7 +288,7 @@ def _events_sql(w: TraceWindow, ranks: Sequence[int] | None) -> str:
 
 def _sweep_sql(w: TraceWindow, ranks: Sequence[int] | None) -> str:
     """Per (rank, state): microseconds during which exactly the kernel types of ``state`` (a bit
-    set of _BITS) run, and the rank's first start and last end. Each rank's start (+1) and end (-1)
+    set of KERNEL_TYPE_BITS) run, and the rank's first start and last end. Each rank's start (+1) and end (-1)
     events are sorted, counted per type (running sums), and the gaps between consecutive events
     summed by state: the measure of the union of intervals, without a merge pass."""
     ev = _events_sql(w, ranks)
@@ -297,11 +299,11 @@ SELECT rank, min(ts_us) AS first_us, max(end_us) AS last_us,
 FROM ({ev}) AS k GROUP BY rank"""
     runs = ", ".join(
         f"arrayCumSum(arrayMap(e -> if(tupleElement(e, 3) = {b}, tupleElement(e, 2), 0), evs)) AS c{b}"
-        for b in _BITS.values()
+        for b in KERNEL_TYPE_BITS.values()
     )
-    state = " + ".join(f"{b} * (x{b} > 0)" for b in _BITS.values())
-    lambda_args = ", ".join(f"x{b}" for b in _BITS.values())
-    arrays = ", ".join(f"arrayPopBack(c{b})" for b in _BITS.values())
+    state = " + ".join(f"{b} * (x{b} > 0)" for b in KERNEL_TYPE_BITS.values())
+    lambda_args = ", ".join(f"x{b}" for b in KERNEL_TYPE_BITS.values())
+    arrays = ", ".join(f"arrayPopBack(c{b})" for b in KERNEL_TYPE_BITS.values())
     return f"""
 SELECT rank, st AS state, sum(seg) AS dur_us, any(first_us) AS first_us, any(last_us) AS last_us
 FROM (
@@ -333,13 +335,30 @@ def temporal_breakdown(
     Raises:
         NotFound: no trace events of this job.
     """
-    w = trace_window(store, job_id, attempt, ranks)
+    return breakdowns(store, job_id, attempt, ranks)[0]
+
+
+def breakdowns(
+    store: Store,
+    job_id: str,
+    attempt: int = 0,
+    ranks: Sequence[int] | None = None,
+    *,
+    include_memory: bool = True,
+) -> tuple[list[RankBreakdown], list[KernelTypeTime]]:
+    """:func:`temporal_breakdown` and :func:`kernel_type_breakdown` from one sweep of the kernels
+    (the heaviest statement of the analyses: callers that want both run it once)."""
+    states = _states(store, trace_window(store, job_id, attempt, ranks), ranks)
+    return _temporal(states), _kernel_types(states, include_memory)
+
+
+def _temporal(by_rank: dict[int, tuple[int, dict[int, int]]]) -> list[RankBreakdown]:
     out = []
-    for rank, (kernel_time, states) in sorted(_states(store, w, ranks).items()):
+    for rank, (kernel_time, states) in sorted(by_rank.items()):
         busy = sum(d for s, d in states.items() if s)
-        compute = sum(d for s, d in states.items() if s & _BITS[COMPUTATION])
-        comm = sum(d for s, d in states.items() if s & _BITS[COMMUNICATION])
-        both = _BITS[COMPUTATION] | _BITS[COMMUNICATION]
+        compute = sum(d for s, d in states.items() if s & KERNEL_TYPE_BITS[COMPUTATION])
+        comm = sum(d for s, d in states.items() if s & KERNEL_TYPE_BITS[COMMUNICATION])
+        both = KERNEL_TYPE_BITS[COMPUTATION] | KERNEL_TYPE_BITS[COMMUNICATION]
         overlap = sum(d for s, d in states.items() if s & both == both)
         idle = kernel_time - busy
         out.append(
@@ -358,7 +377,7 @@ def temporal_breakdown(
 
 def _label(state: int, include_memory: bool) -> str:
     names = [COMPUTATION, COMMUNICATION] + ([MEMORY] if include_memory else [])
-    return " overlapping ".join(n for n in names if state & _BITS[n])
+    return " overlapping ".join(n for n in names if state & KERNEL_TYPE_BITS[n])
 
 
 def kernel_type_breakdown(
@@ -371,9 +390,12 @@ def kernel_type_breakdown(
 ) -> list[KernelTypeTime]:
     """Time per combination of running kernel types, summed over ranks, largest first; the
     percentage is of all labelled time (HTA's kernel-type pie)."""
-    w = trace_window(store, job_id, attempt, ranks)
+    return breakdowns(store, job_id, attempt, ranks, include_memory=include_memory)[1]
+
+
+def _kernel_types(by_rank: dict[int, tuple[int, dict[int, int]]], include_memory: bool) -> list[KernelTypeTime]:
     sums: dict[str, int] = {}
-    for _kt, states in _states(store, w, ranks).values():
+    for _kt, states in by_rank.values():
         for s, d in states.items():
             label = _label(s, include_memory)
             if label:
@@ -402,7 +424,7 @@ def kernel_breakdown(
     if not 0.0 < duration_ratio <= 1.0:
         raise ValueError(f"duration_ratio {duration_ratio}: must be in (0, 1]")
     w = trace_window(store, job_id, attempt, ranks)
-    types = {COMPUTATION: 1, COMMUNICATION: 2} | ({MEMORY: 4} if include_memory else {})
+    types = {k: KERNEL_TYPE_BITS[k] for k in (COMPUTATION, COMMUNICATION, *([MEMORY] if include_memory else []))}
     kts = ", ".join(str(v) for v in types.values())
 
     def sql(rs: Sequence[int] | None) -> str:
@@ -510,7 +532,7 @@ def kernel_launches(
     """Per kernel name of one type: rank -> (launches, mean duration in us), over the analysed
     window; what kernel-level stragglers are found from (the same kernel, slower on one rank)."""
     w = trace_window(store, job_id, attempt, ranks)
-    bit = _BITS[kernel_type]
+    bit = KERNEL_TYPE_BITS[kernel_type]
 
     def sql(rs: Sequence[int] | None) -> str:
         return (

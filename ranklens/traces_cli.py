@@ -54,8 +54,7 @@ def analyze_traces(
         attempt = int(top)
     sel = list(ranks) or None
     window = T.trace_window(store, job_id, attempt, sel)
-    breakdown = T.temporal_breakdown(store, job_id, attempt, sel)
-    kernel_types = T.kernel_type_breakdown(store, job_id, attempt, sel)
+    breakdown, kernel_types = T.breakdowns(store, job_id, attempt, sel)
     kernels = T.kernel_breakdown(store, job_id, attempt, sel)
     idle = T.idle_time_breakdown(store, job_id, attempt, sel)
     launches = T.launch_stats(store, job_id, attempt, sel)

@@ -58,7 +58,7 @@ GROUP BY rank, step ORDER BY rank, step LIMIT {ROW_LIMIT}
 def trace_timeline(store: Store, job_id: str, attempt: int, rank: int, start_ns: int, end_ns: int) -> pd.DataFrame:
     """One rank's GPU events (kernels, memcpy, memset, syncs) that start in ``[start_ns, end_ns)``:
     ``stream, ts_ns, dur_ns, kernel_type, name``, at most ROW_LIMIT of them (the first ones)."""
-    from ranklens.analyzers.traces import KERNEL_TYPE_SQL
+    from ranklens.analyzers.traces import KERNEL_TYPE_BITS, KERNEL_TYPE_SQL
 
     return frame(
         store,
@@ -70,4 +70,4 @@ WHERE {job_where(job_id, attempt)} AND rank = {int(rank)} AND stream >= 0
   AND cat NOT IN ('python_function', 'Trace')
 ORDER BY ts_ns LIMIT {ROW_LIMIT}
 """,
-    ).assign(kernel_type=lambda d: d["kt"].map({1: "COMPUTATION", 2: "COMMUNICATION", 4: "MEMORY", 8: "OTHER"}))
+    ).assign(kernel_type=lambda d: d["kt"].map({bit: name for name, bit in KERNEL_TYPE_BITS.items()}))
