@@ -16,6 +16,7 @@ from ranklens.analyzers.contention import Contention
 from ranklens.analyzers.correlate import correlate_findings
 from ranklens.analyzers.detectors import StragglerDetector
 from ranklens.analyzers.findings import Finding
+from ranklens.analyzers.incidents import find_incidents
 from ranklens.analyzers.links import find_slow_links
 from ranklens.analyzers.live_hangs import HangConfig, detect_live_hangs
 from ranklens.analyzers.preflight_notes import annotate_preflight
@@ -37,7 +38,8 @@ def analyze_job(
     contention: list[Contention] | None = None,
 ) -> list[Finding]:
     """Every finding of one job attempt: hangs/crashes/desyncs first, then stragglers and slow links
-    by impact, each with the GPU events and log errors of its ranks/nodes and time window.
+    by impact, each with the GPU events and log errors of its ranks/nodes and time window, then the
+    GPU and log errors themselves (``gpu_error``, ``log_error``).
 
     ``window_steps`` limits the straggler analysis to the most recent steps (the live loop uses
     it so each pass costs the same however long the job has run). Straggler and link findings that
@@ -51,7 +53,9 @@ def analyze_job(
     # stragglers and slow links ranked together by what they cost the job
     ranked = sorted(stragglers + links, key=lambda f: (-f.impact_s, f.id))
     # a node that was marginal at pre-flight: the finding says so
-    return annotate_preflight(store, correlate_findings(store, hangs + ranked))
+    # errors that need no timing (an XID, an OOM or NCCL error in a rank's log): findings of their own
+    incidents = find_incidents(store, job_id, attempt)
+    return annotate_preflight(store, correlate_findings(store, hangs + ranked)) + incidents
 
 
 @dataclass

@@ -1064,6 +1064,10 @@ from ranklens.preflight_cli import preflight_command  # noqa: E402
 
 cli.add_command(preflight_command, "preflight")
 
+from ranklens.drill_cli import drill_command  # noqa: E402
+
+cli.add_command(drill_command, "drill")
+
 
 def main() -> None:
     import logging

@@ -82,4 +82,5 @@ EXIT_CODES = {
     6: "malformed input (nothing was written)",
     7: "the demo's training job failed",
     8: "nothing to analyze (no such job in the store)",
+    9: "a drill missed a fault, named the wrong rank or kind, or raised a false alarm",
 }

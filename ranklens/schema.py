@@ -32,7 +32,8 @@ __all__ = [
     "table",
 ]
 
-SCHEMA_VERSION = 8  # 7: the cpu table (host CPU contention, issue 21); 8: the preflight table (issue 16)
+SCHEMA_VERSION = 9  # 7: the cpu table (host CPU contention, issue 21); 8: the preflight table (issue 16);
+# 9: the drills table (issue 14)
 
 _SCALARS = {"Int32", "Int64", "UInt8", "UInt32", "UInt64", "Float64", "String"}
 
@@ -458,6 +459,38 @@ _table(
     ("host", "ts_ns", "check_name"),
     "one row per pre-flight check result (node x check x subject) of a run",
     shard_key="cityHash64(host)",
+)
+
+
+_table(
+    "drills",
+    [
+        _c("drill_id", "String", "one drill (one job with its faults)", required=True),
+        _c("ts_ns", "Int64", "when the drill started", required=True),
+        _c("suite", "String", "the suite it ran in, '' none"),
+        _c("name", "String", "the drill's name in its suite"),
+        _c("job_id", "String", "the job the faults were injected into"),
+        _c("fault", "String", "the fault, as given (KIND:RANK[:SEVERITY][@ONSET])", required=True),
+        _c("kind", "String", "slow_gpu, slow_data, hang, crash, desync, log, gpu", required=True),
+        _c("rank", "Int32", "the rank it was injected into", default=-1),
+        _c("applied", "UInt8", "1: it took effect"),
+        _c("onset_ns", "Int64", "when it took effect (0: never)"),
+        _c("detected", "UInt8", "1: a finding named its rank"),
+        _c("ttd_s", "Float64", "seconds from onset to the first live pass showing it (nan: none)"),
+        _c("kind_ok", "UInt8", "1: the finding's kind is the fault's"),
+        _c("culprit_ok", "UInt8", "1: the finding named the fault's rank"),
+        _c("finding_id", "String", "the finding that detected it"),
+        _c("finding_kind", "String", "its kind"),
+        _c("false_findings", "Int32", "findings of the drill nothing injected explains"),
+        _c("passed", "UInt8", "1: the whole drill passed (every fault, no false finding)"),
+        _c("exit_code", "Int32", "the command's exit code (-N: signal N)", default=0),
+        _c("job_failed", "String", "why the job failed by itself, '' it did not"),
+        _c("version", "String", "ranklens version"),
+        _c("command", "String", "the command"),
+    ],
+    ("ts_ns", "drill_id", "fault"),
+    "one row per fault of a drill (`ranklens drill`), to compare detection over releases",
+    shard_key="cityHash64(drill_id)",
 )
 
 

@@ -29,6 +29,15 @@ def _patch_c10d(mod):
     @functools.wraps(orig)
     def init_process_group(*args, **kwargs):
         result = orig(*args, **kwargs)
+        drill = None
+        if os.environ.get("RANKLENS_DRILL"):  # `ranklens drill`: faults injected into this rank
+            try:
+                import ranklens.drill.inject
+
+                drill = ranklens.drill.inject
+                drill.before_init()
+            except Exception:
+                drill = None
         try:
             import ranklens.tracing as rlt
 
@@ -37,6 +46,8 @@ def _patch_c10d(mod):
             import logging
 
             logging.getLogger("ranklens.tracing").exception("ranklens: automatic tracing failed to start")
+        if drill is not None:
+            drill.after_init()
         return result
 
     init_process_group.__ranklens_wrapped__ = orig  # type: ignore[attr-defined]

@@ -1,0 +1,179 @@
+"""Findings of their own for errors that need no timing to be seen: a GPU that raised an XID, a rank
+whose log says NCCL failed or CUDA ran out of memory.
+
+Stragglers, slow links and hangs carry the GPU events and log errors around them as evidence
+(:mod:`ranklens.analyzers.correlate`); an error that slowed or stopped nothing yet — an XID 79 a
+second before the job dies, an OOM in one rank's log — was seen by nobody. Here each distinct
+error becomes a finding:
+
+- ``gpu_error``: per node, GPU and event kind (and XID code), the GPU events of the job of
+  severity ``error`` or above (``critical`` for XIDs of failing hardware and double-bit ECC);
+- ``log_error``: per log class, rank and node, the classified log lines of the job attempt of
+  severity ``error`` or above (``nccl_error``, ``nccl_timeout``, ``cuda_oom``, ``gpu_xid``, ...);
+- ``crash``: the rank torchrun's failure summary names as the root cause (first observed failure),
+  with its exit code: when one rank dies the launcher stops the others within a second, before
+  any collective is stuck long enough for the live hang detector.
+
+One SQL statement per table (grouped in the store); the identity of a finding is its key (class,
+rank, node; or GPU and code), so a line that repeats updates one finding instead of adding more.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ranklens.analyzers.correlate import gpu_event_severity
+from ranklens.analyzers.findings import Finding, Suspect, finding_id
+from ranklens.formats.severity import Severity
+from ranklens.store.api import Store
+from ranklens.store.api import sql_escape as _esc
+
+__all__ = ["DETECTOR", "find_incidents"]
+
+DETECTOR = "incidents"
+# most findings per table: a job whose every rank logs the same error stays readable
+MAX_PER_TABLE = 64
+
+
+def find_incidents(store: Store, job_id: str, attempt: int = 0) -> list[Finding]:
+    """``gpu_error`` and ``log_error`` findings of one job attempt, oldest first."""
+    j = _esc(job_id)
+    out: list[Finding] = []
+    gpu = store.query(
+        "SELECT host, gpu_index, rank, kind, code, min(ts_ns) AS first_ns, max(ts_ns) AS last_ns, count() AS n, "
+        f"argMin(message, ts_ns) AS message FROM gpu_events WHERE job_id = '{j}' "
+        "GROUP BY host, gpu_index, rank, kind, code ORDER BY first_ns LIMIT 1000"
+    ).to_pylist()
+    for r in gpu:
+        sev = gpu_event_severity(str(r["kind"]), int(r["code"]))
+        if sev not in ("error", "critical"):
+            continue
+        what = f"XID {r['code']}" if r["kind"] == "xid" else str(r["kind"])
+        who = f"rank {r['rank']}'s GPU" if int(r["rank"]) >= 0 else "GPU"
+        msg = str(r["message"] or "").strip()
+        title = f"{what} on {who} {r['host']}:{r['gpu_index']}" + (f": {msg}" if msg else "")
+        if int(r["n"]) > 1:
+            title += f" ({r['n']} times)"
+        out.append(
+            _finding(
+                job_id,
+                attempt,
+                "gpu_error",
+                f"gpu:{r['host']}:{r['gpu_index']}:{r['kind']}:{r['code']}",
+                sev,
+                title,
+                Suspect(int(r["rank"]), str(r["host"]), f"{r['host']}:{r['gpu_index']}"),
+                int(r["first_ns"]),
+                int(r["last_ns"]),
+                {"source": "gpu_events", "kind": r["kind"], "code": int(r["code"]), "count": int(r["n"])},
+            )
+        )
+        if len(out) >= MAX_PER_TABLE:
+            break
+    logs = store.query(
+        "SELECT klass, rank, host, min(ts_ns) AS first_ns, max(ts_ns) AS last_ns, sum(repeat_count) AS n, "
+        "max(severity = 'critical') AS critical, argMin(message, ts_ns) AS message, argMin(source, ts_ns) AS src "
+        f"FROM log_events WHERE job_id = '{j}' AND attempt = {int(attempt)} AND severity IN ('error', 'critical') "
+        "GROUP BY klass, rank, host ORDER BY first_ns LIMIT 1000"
+    ).to_pylist()
+    out += _torchrun_crashes(store, job_id, attempt)
+    for r in logs[:MAX_PER_TABLE]:
+        rank = int(r["rank"])
+        first_line = str(r["message"] or "").strip().splitlines()
+        # a traceback says what it is on its last line; other events on their first
+        line = (first_line[-1] if "Traceback" in first_line[0] else first_line[0]) if first_line else ""
+        who = f"rank {rank} ({r['host']})" if rank >= 0 else f"node {r['host'] or '?'}"
+        title = f"{who} logged {r['klass']}: {line[:160]}"
+        if int(r["n"]) > 1:
+            title += f" ({r['n']} times)"
+        out.append(
+            _finding(
+                job_id,
+                attempt,
+                "log_error",
+                f"log:{r['klass']}:{rank}:{r['host']}",
+                "critical" if r["critical"] else "error",
+                title,
+                Suspect(rank, str(r["host"])),
+                int(r["first_ns"]),
+                int(r["last_ns"]),
+                {"source": "log_events", "class": r["klass"], "count": int(r["n"]), "log": r["src"]},
+            )
+        )
+    return out
+
+
+# torchrun's ChildFailedError summary: "Root Cause (first observed failure):" then the rank and its exit code
+_ROOT_CAUSE = re.compile(r"Root Cause[^\n]*\n(?:[^\n]*\n){0,4}?\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _torchrun_crashes(store: Store, job_id: str, attempt: int) -> list[Finding]:
+    """``crash`` findings from the launcher's own account: torchrun's failure summary names the rank
+    that failed first and its exit code (the others were stopped by the launcher), which is all there
+    is to see when every rank is gone within a second of the first."""
+    rows = store.query(
+        "SELECT host, ts_ns, message, source FROM log_events "
+        f"WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND klass = 'rank_failure' "
+        "AND position(message, 'Root Cause') > 0 ORDER BY ts_ns LIMIT 16"
+    ).to_pylist()
+    out: list[Finding] = []
+    seen: set[int] = set()
+    for r in rows:
+        m = _ROOT_CAUSE.search(str(r["message"]))
+        if m is None or int(m.group(1)) in seen:
+            continue
+        rank, code = int(m.group(1)), int(m.group(2))
+        seen.add(rank)
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        out.append(
+            _finding(
+                job_id,
+                attempt,
+                "crash",
+                f"torchrun:{rank}",
+                "critical",
+                f"rank {rank} crashed ({how}): the launcher's first observed failure; the other ranks were stopped",
+                Suspect(rank, str(r["host"])),
+                int(r["ts_ns"]),
+                int(r["ts_ns"]),
+                {
+                    "source": "log_events",
+                    "class": "rank_failure",
+                    "exit_code": code,
+                    "cause": "crash",
+                    "log": r["source"],
+                    "action": "restart_job",
+                },
+            )
+        )
+    return out
+
+
+def _finding(
+    job_id: str,
+    attempt: int,
+    kind: str,
+    key: str,
+    severity: str,
+    title: str,
+    suspect: Suspect,
+    first_ns: int,
+    last_ns: int,
+    evidence: dict[str, object],
+) -> Finding:
+    return Finding(
+        id=finding_id(job_id, attempt, kind, key),
+        job_id=job_id,
+        attempt=attempt,
+        kind=kind,
+        severity=Severity(severity),
+        confidence=0.9 if severity == "critical" else 0.7,
+        title=title,
+        suspects=(suspect,),
+        first_seen_step=-1,
+        last_seen_step=-1,
+        first_seen_ns=first_ns,
+        last_seen_ns=last_ns,
+        evidence=dict(evidence),
+        detector=DETECTOR,
+    )

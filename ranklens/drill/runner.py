@@ -1,0 +1,380 @@
+"""``ranklens drill``: run a training command with faults injected, watch the findings live, score.
+
+The command runs as under ``ranklens run`` (the bootstrap traces every rank, a shipper moves the
+spool into the store while it runs) with ``$RANKLENS_DRILL`` naming the plan, so each rank injects
+its faults (:mod:`ranklens.drill.inject`). Around it the drill does what a node's collector would:
+it filters the command's output at the source into ``log_events`` and, for GPU faults on a machine
+without GPUs, samples a fake NVML (one GPU per local rank, the XID raised when the rank reports the
+fault's onset) into ``gpu_events``. A live analysis pass (the loop of ``analyze --follow``) runs every
+``interval_s``; the first pass that shows a finding is its detection time.
+
+The drill ends when the command ends; a hang, crash or desync ends it (the process group is
+stopped) once it was detected, or ``detect_timeout_s`` after its onset. One last pass analyses
+everything shipped. The result is scored (:mod:`ranklens.drill.score`) and stored in ``drills``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ranklens.collector import Shipper
+from ranklens.config import node_name
+from ranklens.drill.faults import DrillFault, DrillKind, validate_targets
+from ranklens.drill.inject import ENV_DRILL
+from ranklens.drill.score import FaultScore, Onset, Seen, score
+from ranklens.errors import ConfigError
+from ranklens.launch import traced_env
+from ranklens.store.api import Store
+
+__all__ = ["DrillResult", "run_drill", "world_size_of"]
+
+
+@dataclass
+class DrillResult:
+    drill_id: str
+    name: str
+    job_id: str
+    command: list[str]
+    scores: list[FaultScore]
+    false_findings: list[Seen]
+    exit_code: int | None
+    stopped_by_drill: bool
+    job_failed: str  # why the job failed by itself ("" it did not)
+    wall_s: float
+    log_path: str
+    findings_seen: int = 0
+    rows: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.job_failed and not self.false_findings and all(s.ok for s in self.scores)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "drill_id": self.drill_id,
+            "name": self.name,
+            "job_id": self.job_id,
+            "command": self.command,
+            "passed": self.passed,
+            "faults": [s.to_json() for s in self.scores],
+            "false_findings": [
+                {"id": s.id, "kind": s.kind, "ranks": list(s.ranks), "title": s.title} for s in self.false_findings
+            ],
+            "exit_code": self.exit_code,
+            "stopped_by_drill": self.stopped_by_drill,
+            "job_failed": self.job_failed,
+            "wall_s": round(self.wall_s, 2),
+            "findings_seen": self.findings_seen,
+            "log": self.log_path,
+        }
+
+
+def world_size_of(command: Sequence[str]) -> int | None:
+    """The world size a torchrun-style command asks for (``--nproc-per-node N`` times ``--nnodes M``),
+    or None when the command does not say."""
+    nproc, nnodes = None, 1
+    args = list(command)
+    for i, a in enumerate(args):
+        for name in ("--nproc-per-node", "--nproc_per_node", "--nnodes"):
+            val = None
+            if a == name and i + 1 < len(args):
+                val = args[i + 1]
+            elif a.startswith(name + "="):
+                val = a.split("=", 1)[1]
+            if val is None:
+                continue
+            if not re.fullmatch(r"\d+", val):
+                return None  # "gpu", "auto", "1:4": not known here
+            if name == "--nnodes":
+                nnodes = int(val)
+            else:
+                nproc = int(val)
+    return nproc * nnodes if nproc else None
+
+
+class _Output:
+    """The command's output: to a file, filtered at the source into log events, optionally echoed."""
+
+    def __init__(self, path: Path, echo: IO[bytes] | None) -> None:
+        from ranklens.collector.logfilter import LogFilter
+
+        self.path = path
+        self.file = open(path, "wb")
+        self.filter = LogFilter().stream(source=str(path), stream="stdout")
+        self.echo = echo
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def pump(self, pipe: IO[bytes]) -> None:
+        def run() -> None:
+            for chunk in iter(lambda: pipe.read1(65536) if hasattr(pipe, "read1") else pipe.read(65536), b""):
+                with self.lock:
+                    self.file.write(chunk)
+                    self.file.flush()
+                    self.filter.feed(chunk)
+                if self.echo is not None:
+                    self.echo.write(chunk)
+                    self.echo.flush()
+
+        self.thread = threading.Thread(target=run, name="ranklens-drill-output", daemon=True)
+        self.thread.start()
+
+    def take(self, *, eof: bool = False) -> list[Any]:
+        """The log events of what was written since the last call (``eof``: the output ended)."""
+        with self.lock:
+            self.filter.feed(b"", idle=not eof, eof=eof)
+            return self.filter.flush()
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        self.file.close()
+
+
+class _FakeGpus:
+    """One fake GPU per local rank, sampled like the collector samples NVML; raises each GPU fault's
+    XID on its rank's GPU when the rank reports the onset."""
+
+    def __init__(self, count: int, job_id: str) -> None:
+        from ranklens.collector.fake_nvml import FakeGpu, FakeNvml
+        from ranklens.collector.nvml import GpuSampler, RankResolver
+
+        self.nvml = FakeNvml([FakeGpu(uuid=f"GPU-ranklens-drill-{i:02d}") for i in range(count)])
+        self.sampler = GpuSampler(self.nvml, resolver=RankResolver())
+        self.sampler.start()
+        self.raised: set[int] = set()
+
+    def update(self, ready: dict[int, dict[str, Any]], onsets: dict[int, Onset], faults: list[DrillFault]) -> None:
+        for rec in ready.values():
+            i = int(rec.get("local_rank", 0))
+            if 0 <= i < len(self.nvml.gpus) and not self.nvml.gpus[i].processes:
+                self.nvml.gpus[i].processes = [(int(rec["pid"]), 1 << 30)]
+        for i, f in enumerate(faults):
+            if f.kind is DrillKind.GPU and i in onsets and i not in self.raised:
+                owner = ready.get(f.rank)
+                if owner is not None:
+                    self.nvml.inject_xid(int(owner.get("local_rank", 0)), int(f.severity))
+                    self.raised.add(i)
+
+    def sample(self, store: Store) -> int:
+        r = self.sampler.sample()
+        n = 0
+        if r.samples:
+            n += store.write("gpu_samples", r.samples)
+        if r.events:
+            n += store.write("gpu_events", r.events)
+        return n
+
+
+def _read_truth(truth: Path) -> tuple[dict[int, dict[str, Any]], dict[int, Onset]]:
+    ready: dict[int, dict[str, Any]] = {}
+    onsets: dict[int, Onset] = {}
+    for p in truth.glob("rank*.jsonl"):
+        try:
+            lines = p.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line being written
+            if rec.get("event") == "ready":
+                ready[int(rec["rank"])] = rec
+            elif rec.get("event") == "onset":
+                onsets.setdefault(int(rec["fault"]), Onset(int(rec["ts_ns"]), int(rec.get("step", -1))))
+    return ready, onsets
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM the command's process group, then SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # ranks that outlived their launcher
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_drill(
+    store: Store,
+    command: Sequence[str],
+    faults: list[DrillFault],
+    *,
+    name: str = "",
+    world_size: int | None = None,
+    timeout_s: float = 600.0,
+    detect_timeout_s: float = 60.0,
+    interval_s: float = 1.0,
+    echo: IO[bytes] | None = None,
+    log: Callable[[str], None] = lambda s: None,
+    save: bool = True,
+) -> DrillResult:
+    """Run ``command`` with ``faults`` injected; returns the scored result (stored in ``drills``).
+
+    Raises:
+        ConfigError: no command, no fault, a rank outside the world (exit 2).
+    """
+    from ranklens.analyzers.findings import Finding
+    from ranklens.drill.store import save_drill
+    from ranklens.live_service import LiveAnalysis
+
+    if not command:
+        raise ConfigError(
+            "ranklens drill needs a command after --, e.g. ranklens drill --fault hang:1@5 -- torchrun ..."
+        )
+    if not faults:
+        raise ConfigError("ranklens drill needs at least one --fault (or --suite)")
+    world = world_size or world_size_of(command)
+    if world is not None:
+        validate_targets(faults, world)
+    drill_id = f"drill-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    job_id = drill_id
+    work = Path(tempfile.mkdtemp(prefix="ranklens-drill-"))
+    spool, truth = work / "spool", work / "truth"
+    spool.mkdir()
+    truth.mkdir()
+    plan = work / "plan.json"
+    plan.write_text(json.dumps({"truth_dir": str(truth), "faults": [f.to_json() for f in faults]}))
+    env = traced_env(dict(os.environ), job_id=job_id, spool_dir=str(spool))
+    env[ENV_DRILL] = str(plan)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    host = node_name()
+    out = _Output(work / "job.log", echo)
+    gpus = _FakeGpus(max(world or 1, 8), job_id) if any(f.kind is DrillKind.GPU for f in faults) else None
+    log(f"drill {drill_id}: {', '.join(f.spec for f in faults)}; job log {out.path}")
+
+    shipper = Shipper(spool, store)
+    loop = shipper.start(interval_s=0.5)
+    live = LiveAnalysis(store, job_id, 0, save=True)
+    seen: dict[str, Seen] = {}
+    latest: dict[str, Finding] = {}
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    except OSError as e:
+        loop.close(timeout_s=0)
+        raise ConfigError(f"cannot start {command[0]!r}: {e.strerror}") from None
+    assert proc.stdout is not None
+    out.pump(proc.stdout)
+    stopped, deadline_hit = False, ""
+    world_checked = world is not None
+
+    def one_pass() -> None:
+        rows = [ev.to_row(job_id=job_id, attempt=0, host=host) for ev in out.take()]
+        if rows:
+            store.write("log_events", rows)
+        ready, onsets = _read_truth(truth)
+        if gpus is not None:
+            gpus.update(ready, onsets, faults)
+            gpus.sample(store)
+        update = live.run_pass()
+        now = time.time_ns()
+        for f in update.new + update.changed:
+            latest[f.id] = f
+            if f.id not in seen:
+                seen[f.id] = Seen(
+                    f.id, f.kind, tuple(s.rank for s in f.suspects), f.title, now, f.first_seen_ns, dict(f.evidence)
+                )
+
+    try:
+        while proc.poll() is None:
+            time.sleep(interval_s)
+            try:
+                one_pass()
+            except Exception as e:  # the store hiccupped: the next pass tries again
+                log(f"drill: analysis pass failed: {type(e).__name__}: {e}")
+                continue
+            ready, onsets = _read_truth(truth)
+            if not world_checked and ready:
+                w = int(next(iter(ready.values())).get("world_size", 0))
+                if w:
+                    world_checked = True
+                    try:
+                        validate_targets(faults, w)
+                    except ConfigError:
+                        _stop(proc)
+                        raise
+            if time.monotonic() - start > timeout_s:
+                deadline_hit = f"the drill's timeout ({timeout_s:.0f} s) passed"
+                break
+            fatal = [(i, f) for i, f in enumerate(faults) if f.fatal and i in onsets]
+            if fatal:
+                interim, _ = score(faults, onsets, list(seen.values()))
+                pending = [
+                    i
+                    for i, f in fatal
+                    if not interim[i].detected and time.time_ns() - onsets[i].ts_ns < detect_timeout_s * 1e9
+                ]
+                if not pending:
+                    break  # every fatal fault seen (or out of time): the job will not recover by itself
+        if proc.poll() is None:
+            stopped = True
+            _stop(proc)
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+        loop.close(timeout_s=120)  # the last shipping pass
+        out.close()
+    try:
+        one_pass()  # what the ranks and the log said last
+        rows = [ev.to_row(job_id=job_id, attempt=0, host=host) for ev in out.take(eof=True)]
+        if rows:
+            store.write("log_events", rows)
+            one_pass()
+    except Exception as e:
+        log(f"drill: final analysis pass failed: {type(e).__name__}: {e}")
+    ready, onsets = _read_truth(truth)
+    scores, false = score(faults, onsets, list(seen.values()))
+    code = proc.returncode
+    job_failed = ""
+    fatal_applied = any(s.applied and s.fault.fatal for s in scores)
+    if deadline_hit:
+        job_failed = deadline_hit
+    elif not stopped and code not in (0, None) and not fatal_applied:
+        first = min((o.ts_ns for o in onsets.values()), default=None)
+        job_failed = (
+            f"the job exited with code {code} "
+            + ("before any fault took effect" if first is None else "with no fatal fault injected")
+            + f": it failed by itself (see {out.path}); not scored as a detection"
+        )
+    result = DrillResult(
+        drill_id=drill_id,
+        name=name,
+        job_id=job_id,
+        command=list(command),
+        scores=scores,
+        false_findings=false,
+        exit_code=code,
+        stopped_by_drill=stopped,
+        job_failed=job_failed,
+        wall_s=time.monotonic() - start,
+        log_path=str(out.path),
+        findings_seen=len(seen),
+        rows=dict(shipper.totals),
+    )
+    if save:
+        save_drill(store, result)
+    return result

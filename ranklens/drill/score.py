@@ -1,0 +1,175 @@
+"""Scoring a drill: which finding detected which fault, how fast, whether it named the right rank and
+the right kind, and which findings nothing injected explains (false alarms).
+
+Pure functions over the ground truth (:class:`Onset`) and the findings as the live loop first saw
+them (:class:`Seen`), so the rules are tested without a job:
+
+- a fault is **detected** by the first finding, seen no earlier than ``EARLY_S`` before its onset,
+  whose kind is one of those that can report it (:data:`DETECTS`) and whose suspects include the
+  fault's rank; time to detect is from the onset to the live pass that first showed it;
+- the **kind is right** when that finding's kind is the fault's own (:data:`KIND`; for a log fault
+  also its log class, for a GPU fault its XID); the **culprit is right** when it names the rank;
+- a finding is **explained** when it detected a fault, names a fault's rank with a kind that can
+  report it, or appeared after a fatal fault (hang, crash, desync) began — the peers' errors and
+  timeouts that follow a dead rank are collateral, not alarms. Every other finding is **false**.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ranklens.drill.faults import FATAL, DrillFault, DrillKind
+
+__all__ = ["DETECTS", "KIND", "FaultScore", "Onset", "Seen", "score"]
+
+#: the finding kind that is the right answer for each fault kind
+KIND = {
+    DrillKind.SLOW_GPU: "straggler",
+    DrillKind.SLOW_DATA: "straggler",
+    DrillKind.HANG: "hang",
+    DrillKind.CRASH: "crash",
+    DrillKind.DESYNC: "desync",
+    DrillKind.LOG: "log_error",
+    DrillKind.GPU: "gpu_error",
+}
+#: finding kinds that count as a detection (the culprit still has to be named)
+DETECTS = {
+    DrillKind.SLOW_GPU: {"straggler"},
+    DrillKind.SLOW_DATA: {"straggler"},
+    DrillKind.HANG: {"hang"},
+    DrillKind.CRASH: {"crash", "hang"},
+    DrillKind.DESYNC: {"desync", "hang", "crash"},
+    DrillKind.LOG: {"log_error"},
+    DrillKind.GPU: {"gpu_error", "log_error"},
+}
+#: the log class the log fault's lines are classified as
+LOG_CLASS = {"nccl_error": "nccl_error", "nccl_timeout": "nccl_timeout", "cuda_oom": "cuda_oom", "xid": "gpu_xid"}
+EARLY_S = 1.0  # a finding this much before the onset still counts (clocks of rank and drill)
+
+
+@dataclass(frozen=True)
+class Onset:
+    """When (epoch ns) and at which step a fault took effect in its rank."""
+
+    ts_ns: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A finding as the drill first saw it (``seen_ns``: the live pass that showed it)."""
+
+    id: str
+    kind: str
+    ranks: tuple[int, ...]
+    title: str
+    seen_ns: int
+    first_ns: int = 0
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FaultScore:
+    fault: DrillFault
+    onset: Onset | None = None  # None: it never took effect
+    finding: Seen | None = None
+    ttd_s: float | None = None
+    kind_ok: bool = False
+    culprit_ok: bool = False
+    note: str = ""
+
+    @property
+    def applied(self) -> bool:
+        return self.onset is not None
+
+    @property
+    def detected(self) -> bool:
+        return self.finding is not None
+
+    @property
+    def ok(self) -> bool:
+        return self.detected and self.kind_ok and self.culprit_ok
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fault": self.fault.spec,
+            "kind": self.fault.kind.value,
+            "rank": self.fault.rank,
+            "applied": self.applied,
+            "onset_ns": self.onset.ts_ns if self.onset else None,
+            "onset_step": self.onset.step if self.onset else None,
+            "detected": self.detected,
+            "time_to_detect_s": None if self.ttd_s is None else round(self.ttd_s, 3),
+            "kind_ok": self.kind_ok,
+            "culprit_ok": self.culprit_ok,
+            "ok": self.ok,
+            "finding": None
+            if self.finding is None
+            else {"id": self.finding.id, "kind": self.finding.kind, "title": self.finding.title},
+            "note": self.note,
+        }
+
+
+def _right_kind(f: DrillFault, s: Seen) -> bool:
+    if s.kind != KIND[f.kind]:
+        return False
+    if f.kind is DrillKind.LOG:
+        return bool(s.evidence.get("class") == LOG_CLASS.get(f.detail))
+    if f.kind is DrillKind.GPU:
+        return int(s.evidence.get("code", -1)) == int(f.severity)
+    return True
+
+
+def _found(s: Seen) -> str:
+    if "class" in s.evidence and s.kind == "log_error":
+        return f"log_error ({s.evidence['class']})"
+    if "code" in s.evidence and s.kind == "gpu_error":
+        return f"gpu_error (XID {s.evidence['code']})"
+    return s.kind
+
+
+def _expected(f: DrillFault) -> str:
+    if f.kind is DrillKind.LOG:
+        return f"log_error ({LOG_CLASS.get(f.detail, f.detail)})"
+    if f.kind is DrillKind.GPU:
+        return f"gpu_error (XID {int(f.severity)})"
+    return KIND[f.kind]
+
+
+def score(faults: list[DrillFault], onsets: dict[int, Onset], seen: list[Seen]) -> tuple[list[FaultScore], list[Seen]]:
+    """Score each fault (``onsets[i]``: the ground truth of fault ``i``) against the findings seen;
+    returns the scores and the false findings."""
+    seen = sorted(seen, key=lambda s: (s.seen_ns, s.id))
+    scores: list[FaultScore] = []
+    used: set[str] = set()
+    for i, f in enumerate(faults):
+        sc = FaultScore(f, onsets.get(i))
+        scores.append(sc)
+        if sc.onset is None:
+            sc.note = "never took effect (the job did not reach its onset, or has no such phase)"
+            continue
+        early = sc.onset.ts_ns - int(EARLY_S * 1e9)
+        cands = [s for s in seen if s.kind in DETECTS[f.kind] and f.rank in s.ranks and s.seen_ns >= early]
+        if not cands:
+            sc.note = "not detected"
+            continue
+        # the right kind wins among findings of the same pass; otherwise the first one seen
+        first_ns = cands[0].seen_ns
+        best = min(cands, key=lambda s: (s.seen_ns > first_ns, not _right_kind(f, s), s.seen_ns))
+        sc.finding, sc.ttd_s = best, max(0.0, (best.seen_ns - sc.onset.ts_ns) / 1e9)
+        sc.kind_ok, sc.culprit_ok = _right_kind(f, best), True
+        used.add(best.id)
+        if not sc.kind_ok:
+            sc.note = f"detected as {_found(best)}, not {_expected(f)}"
+    fatal_from = min((sc.onset.ts_ns for sc in scores if sc.onset and sc.fault.kind in FATAL), default=None)
+    false: list[Seen] = []
+    for s in seen:
+        if s.id in used:
+            continue
+        if any(sc.onset and sc.fault.rank in s.ranks and s.kind in DETECTS[sc.fault.kind] for sc in scores):
+            continue  # the same fault seen again (another finding of the same kind on its rank)
+        if fatal_from is not None and max(s.seen_ns, s.first_ns) >= fatal_from - int(EARLY_S * 1e9):
+            continue  # collateral of a dead or stuck rank
+        false.append(s)
+    return scores, false

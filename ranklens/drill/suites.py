@@ -1,0 +1,147 @@
+"""Drill suites: the built-in ``quick`` suite and users' own TOML files.
+
+A suite file::
+
+    command = ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "train.py"]
+    timeout_s = 300            # per drill (optional)
+
+    [[drill]]
+    name = "slow rank"
+    faults = ["slow_gpu:2:1.6@8"]
+
+    [[drill]]
+    name = "hang"
+    faults = ["hang:3@6"]
+    command = ["torchrun", "--nproc-per-node", "4", "other.py"]   # optional, per drill
+
+Each drill is one run of its command with its faults.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from ranklens.drill.faults import DrillFault, parse_drill_fault
+from ranklens.errors import ConfigError
+
+__all__ = ["QUICK", "Drill", "Suite", "load_suite", "quick_command"]
+
+
+def quick_command(steps: int = 40, ranks: int = 4) -> list[str]:
+    """The quick suite's job: 4 gloo ranks of :mod:`ranklens.drill.workload` (no ranklens code)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "-m",
+        "ranklens.drill.workload",
+        "--steps",
+        str(steps),
+    ]
+
+
+@dataclass(frozen=True)
+class Drill:
+    name: str
+    faults: tuple[DrillFault, ...]
+    command: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    drills: tuple[Drill, ...]
+    command: tuple[str, ...] = ()
+    timeout_s: float = 600.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _quick() -> Suite:
+    def d(name: str, *specs: str, steps: int = 30) -> Drill:
+        return Drill(name, tuple(parse_drill_fault(s) for s in specs), tuple(quick_command(steps)))
+
+    return Suite(
+        "quick",
+        (
+            # non-fatal faults share a job: a straggler, error lines in another rank's log, an XID on a third
+            d("slow forward, NCCL error line, XID", "slow_gpu:2:1.6@8", "log:0:nccl_error@6", "gpu:3:79@6", steps=36),
+            d("slow data loading, CUDA OOM line", "slow_data:1:0.05@8", "log:3:cuda_oom@6", steps=36),
+            d("hang before a collective", "hang:3@6", steps=200),
+            d("crash with exit code 3", "crash:1:3@6", steps=200),
+            d("SIGKILL", "crash:2:kill@6", steps=200),
+            d("desync", "desync:2@6", steps=200),
+        ),
+    )
+
+
+QUICK = _quick()
+_BUILTIN = {"quick": QUICK}
+
+
+def load_suite(name_or_path: str) -> Suite:
+    """The built-in suite ``name_or_path`` or the TOML file at that path.
+
+    Raises:
+        ConfigError: an unknown suite, an unreadable or malformed file, a bad fault (exit 2).
+    """
+    if name_or_path in _BUILTIN:
+        return _BUILTIN[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ConfigError(
+            f"--suite {name_or_path!r}: no built-in suite of that name ({', '.join(_BUILTIN)}) and no such file"
+        )
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--suite {path}: cannot read it: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--suite {path}: not valid TOML: {e}") from None
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"--suite {path}: {why} (see `ranklens drill --help` for the file's form)")
+
+    def command(v: Any, where: str) -> tuple[str, ...]:
+        if v is None:
+            return ()
+        if not isinstance(v, list) or not v or not all(isinstance(a, str) for a in v):
+            raise bad(f'{where}command must be a non-empty list of strings, e.g. ["torchrun", "train.py"]')
+        return tuple(v)
+
+    unknown = set(doc) - {"command", "timeout_s", "drill", "name"}
+    if unknown:
+        raise bad(f"unknown key(s) {', '.join(sorted(unknown))} (allowed: command, timeout_s, name, [[drill]])")
+    top = command(doc.get("command"), "")
+    timeout = doc.get("timeout_s", 600)
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise bad(f"timeout_s {timeout!r} must be a positive number of seconds")
+    raw = doc.get("drill")
+    if not isinstance(raw, list) or not raw:
+        raise bad("no [[drill]] tables")
+    drills = []
+    for n, d in enumerate(raw, 1):
+        if not isinstance(d, dict):
+            raise bad(f"drill {n} is not a table")
+        extra = set(d) - {"name", "faults", "command"}
+        if extra:
+            raise bad(f"drill {n}: unknown key(s) {', '.join(sorted(extra))} (allowed: name, faults, command)")
+        faults = d.get("faults")
+        if not isinstance(faults, list) or not faults or not all(isinstance(f, str) for f in faults):
+            raise bad(f'drill {n}: faults must be a non-empty list of fault strings, e.g. ["hang:1@5"]')
+        try:
+            parsed = tuple(parse_drill_fault(f) for f in faults)
+        except ConfigError as e:
+            raise bad(f"drill {n}: {e}") from None
+        cmd = command(d.get("command"), f"drill {n}: ") or top
+        if not cmd:
+            raise bad(f"drill {n}: no command (give `command` at the top or in the drill)")
+        drills.append(Drill(str(d.get("name") or f"drill {n}"), parsed, cmd))
+    return Suite(str(doc.get("name") or path.stem), tuple(drills), top, float(timeout))

@@ -1,0 +1,166 @@
+"""The drill's grammar, suite files and scoring rules, without a job."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ranklens.drill.faults import DrillKind, parse_drill_fault, validate_targets
+from ranklens.drill.runner import world_size_of
+from ranklens.drill.score import Onset, Seen, score
+from ranklens.drill.suites import QUICK, load_suite
+from ranklens.errors import ConfigError
+from tests._jobs import ranklens
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "slow_gpu:2:1.5@8",
+        "slow_gpu:2:40ms@8",
+        "slow_gpu:1:1.3:optimizer@3",
+        "slow_data:1:0.2@5",
+        "hang:3@6",
+        "hang:3:30@6",
+        "crash:1:3@6",
+        "crash:2:kill@6",
+        "desync:2@6",
+        "log:0:nccl_error@4",
+        "log:0:cuda_oom@20s",
+        "gpu:3:79@6",
+    ],
+)
+def test_specs_parse_back_to_themselves(spec):
+    f = parse_drill_fault(spec)
+    assert f.spec == spec
+    assert parse_drill_fault(f.spec) == f
+
+
+def test_defaults_and_units():
+    assert parse_drill_fault("slow_data:1:200ms").severity == pytest.approx(0.2)
+    assert math.isinf(parse_drill_fault("hang:0").severity)
+    assert parse_drill_fault("crash:0").severity == 1.0
+    assert parse_drill_fault("gpu:0").severity == 79.0
+    assert parse_drill_fault("log:0").detail == "nccl_error"
+    f = parse_drill_fault("log:1:xid@12s")
+    assert (f.onset_s, f.onset_step) == (12.0, -1)
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("melt:1", "unknown kind 'melt' (kinds: slow_gpu, slow_data, hang, crash, desync, log, gpu)"),
+        ("hang", "needs a target rank"),
+        ("hang:x", "target 'x' is not a rank"),
+        ("slow_gpu:1:0.9", "factor 0.9 must be > 1"),
+        ("slow_gpu:1:1.5:sideways", "phase 'sideways' is not one of forward, backward, optimizer"),
+        ("crash:1:300", "exit code '300' is not 1..255 or 'kill'"),
+        ("log:1:gremlins", "log class 'gremlins' is not one of nccl_error, nccl_timeout, cuda_oom, xid"),
+        ("hang:1@soon", "onset 'soon' after '@' is neither a step"),
+        ("desync:1:2", "too many fields"),
+    ],
+)
+def test_bad_specs_say_what_is_wrong_and_what_is_allowed(spec, says):
+    with pytest.raises(ConfigError) as e:
+        parse_drill_fault(spec)
+    assert says in str(e.value)
+    assert "e.g." in str(e.value)
+
+
+def test_a_rank_outside_the_world_is_refused():
+    with pytest.raises(ConfigError, match=r"rank 4 is not a rank of this 4-rank job \(0\.\.3\)"):
+        validate_targets([parse_drill_fault("hang:4@2")], 4)
+
+
+def test_world_size_from_torchrun_arguments():
+    assert world_size_of(["torchrun", "--nproc-per-node", "4", "t.py"]) == 4
+    assert world_size_of(["torchrun", "--nnodes=2", "--nproc_per_node=8", "t.py"]) == 16
+    assert world_size_of(["torchrun", "--nproc-per-node", "gpu", "t.py"]) is None
+    assert world_size_of(["python", "t.py"]) is None
+
+
+def _seen(id_, kind, ranks, t, **ev):
+    return Seen(id_, kind, tuple(ranks), f"{kind} on {ranks}", int(t * 1e9), int(t * 1e9), ev)
+
+
+def test_scoring_detection_culprit_kind_and_false_alarms():
+    faults = [parse_drill_fault("slow_gpu:2:1.5@8"), parse_drill_fault("log:0:cuda_oom@4")]
+    onsets = {0: Onset(int(100e9), 8), 1: Onset(int(90e9), 4)}
+    seen = [
+        _seen("a", "straggler", [1], 95),  # before the straggler's onset, wrong rank: false
+        _seen("b", "straggler", [2], 104),  # detects fault 0
+        _seen("c", "log_error", [0], 91, **{"class": "nccl_error"}),  # rank right, class wrong
+        _seen("d", "straggler", [3], 120),  # a second straggler nothing explains: false
+    ]
+    scores, false = score(faults, onsets, seen)
+    assert scores[0].detected and scores[0].ok and scores[0].ttd_s == pytest.approx(4.0)
+    assert scores[1].detected and scores[1].culprit_ok and not scores[1].kind_ok
+    assert scores[1].note == "detected as log_error (nccl_error), not log_error (cuda_oom)"
+    assert [s.id for s in false] == ["a", "d"]
+
+
+def test_after_a_fatal_fault_the_peers_errors_are_collateral():
+    faults = [parse_drill_fault("crash:1:3@6")]
+    onsets = {0: Onset(int(50e9), 6)}
+    seen = [
+        _seen("x", "log_error", [3], 51, **{"class": "network"}),  # a peer losing its connection
+        _seen("y", "crash", [1], 52),
+        _seen("z", "straggler", [0], 40),  # before the crash: not collateral
+    ]
+    scores, false = score(faults, onsets, seen)
+    assert scores[0].ok and scores[0].finding and scores[0].finding.id == "y"
+    assert [s.id for s in false] == ["z"]
+
+
+def test_a_fault_that_never_started_is_not_detected():
+    scores, false = score([parse_drill_fault("hang:1@500")], {}, [_seen("h", "hang", [1], 10)])
+    assert not scores[0].applied and not scores[0].detected and "never took effect" in scores[0].note
+    assert [s.id for s in false] == ["h"]
+
+
+def test_the_quick_suite_covers_seven_kinds_on_four_ranks():
+    kinds = {f.kind for d in QUICK.drills for f in d.faults}
+    assert kinds == set(DrillKind)
+    for d in QUICK.drills:
+        validate_targets(list(d.faults), 4)
+
+
+def test_suite_files(tmp_path):
+    p = tmp_path / "s.toml"
+    p.write_text('command = ["python", "t.py"]\n[[drill]]\nname = "h"\nfaults = ["hang:1@3"]\n')
+    s = load_suite(str(p))
+    assert s.drills[0].command == ("python", "t.py") and s.drills[0].faults[0].kind is DrillKind.HANG
+    for text, says in [
+        ("[[drill]\n", "not valid TOML"),
+        ('command = ["x"]\n', "no [[drill]] tables"),
+        ('command = ["x"]\n[[drill]]\nfaults = []\n', "faults must be a non-empty list"),
+        ('command = ["x"]\n[[drill]]\nfaults = ["melt:1"]\n', "unknown kind 'melt'"),
+        ('[[drill]]\nfaults = ["hang:1"]\n', "no command"),
+        ('colour = 1\ncommand = ["x"]\n[[drill]]\nfaults = ["hang:1"]\n', "unknown key(s) colour"),
+    ]:
+        p.write_text(text)
+        with pytest.raises(ConfigError, match=r"--suite .*s\.toml") as e:
+            load_suite(str(p))
+        assert says in str(e.value)
+    with pytest.raises(ConfigError, match="no built-in suite of that name"):
+        load_suite(str(tmp_path / "missing.toml"))
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--fault", "melt:1"], "unknown kind 'melt'"),
+        (["--fault", "hang:7@3"], "rank 7 is not a rank of this 4-rank job (0..3)"),
+        (
+            ["--fault", "hang:5@3", "--", "torchrun", "--nproc-per-node", "2", "t.py"],
+            "rank 5 is not a rank of this 2-rank job",
+        ),
+        (["--suite", "nosuch"], "no built-in suite of that name (quick)"),
+        ([], "give --fault SPEC"),
+    ],
+)
+def test_cli_bad_input_exits_2_before_any_job(tmp_path, args, says):
+    r = ranklens("drill", "--store", f"embedded://{tmp_path / 'st'}", *args, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert says in r.stderr
