@@ -10,6 +10,8 @@ error becomes a finding:
   severity ``error`` or above (``critical`` for XIDs of failing hardware and double-bit ECC);
 - ``log_error``: per log class, rank and node, the classified log lines of the job attempt of
   severity ``error`` or above (``nccl_error``, ``nccl_timeout``, ``cuda_oom``, ``gpu_xid``, ...);
+- ``nan``: the rank(s) whose gradients were non-finite before DDP's all-reduce at the earliest step
+  (the tracer's check, class ``nonfinite_grad``): the origin of a NaN loss, not its victims;
 - ``crash``: the rank torchrun's failure summary names as the root cause (first observed failure),
   with its exit code: when one rank dies the launcher stops the others within a second, before
   any collective is stuck long enough for the live hang detector.
@@ -74,9 +76,11 @@ def find_incidents(store: Store, job_id: str, attempt: int = 0) -> list[Finding]
         "SELECT klass, rank, host, min(ts_ns) AS first_ns, max(ts_ns) AS last_ns, sum(repeat_count) AS n, "
         "max(severity = 'critical') AS critical, argMin(message, ts_ns) AS message, argMin(source, ts_ns) AS src "
         f"FROM log_events WHERE job_id = '{j}' AND attempt = {int(attempt)} AND severity IN ('error', 'critical') "
+        f"AND klass != '{NONFINITE}' "
         "GROUP BY klass, rank, host ORDER BY first_ns LIMIT 1000"
     ).to_pylist()
     out += _torchrun_crashes(store, job_id, attempt)
+    out += _nonfinite(store, job_id, attempt)
     for r in logs[:MAX_PER_TABLE]:
         rank = int(r["rank"])
         first_line = str(r["message"] or "").strip().splitlines()
@@ -101,6 +105,68 @@ def find_incidents(store: Store, job_id: str, attempt: int = 0) -> list[Finding]
             )
         )
     return out
+
+
+NONFINITE = "nonfinite_grad"  # the tracer's check before DDP's all-reduce (tracing/_nonfinite.py)
+_STEP = re.compile(r"at step (-?\d+)")
+
+
+def _nonfinite(store: Store, job_id: str, attempt: int) -> list[Finding]:
+    """One ``nan`` finding per job attempt: the rank(s) whose gradients were non-finite *before*
+    the all-reduce at the earliest step made them; every rank that had them only later got them
+    from the all-reduce."""
+    rows = store.query(
+        "SELECT rank, host, ts_ns, message FROM log_events "
+        f"WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND klass = '{NONFINITE}' "
+        "ORDER BY ts_ns LIMIT 10000"
+    ).to_pylist()
+    first: dict[int, tuple[int, int, str]] = {}  # rank -> (step, ts, host)
+    for r in rows:
+        m = _STEP.search(str(r["message"]))
+        step = int(m.group(1)) if m else -1
+        rank = int(r["rank"])
+        if rank not in first or (step, int(r["ts_ns"])) < first[rank][:2]:
+            first[rank] = (step, int(r["ts_ns"]), str(r["host"]))
+    if not first:
+        return []
+    if all(v[0] >= 0 for v in first.values()):
+        step0 = min(v[0] for v in first.values())
+        culprits = sorted(r for r, v in first.items() if v[0] == step0)
+    else:  # no steps: the earliest within half a second
+        t0 = min(v[1] for v in first.values())
+        step0 = -1
+        culprits = sorted(r for r, v in first.items() if v[1] - t0 <= 500_000_000)
+    later = sorted(set(first) - set(culprits))
+    who = ", ".join(map(str, culprits))
+    at = f" at step {step0}" if step0 >= 0 else ""
+    plural = "s" if len(culprits) > 1 else ""
+    title = f"rank{plural} {who} produced non-finite gradients (NaN/Inf){at}, before DDP's all-reduce"
+    if later:
+        later_steps = sorted({first[r][0] for r in later})
+        title += f"; rank(s) {', '.join(map(str, later))} had them only after it (from step {later_steps[0]})"
+    return [
+        _finding(
+            job_id,
+            attempt,
+            "nan",
+            "nonfinite",
+            "critical",
+            title,
+            Suspect(culprits[0], first[culprits[0]][2]),
+            min(first[r][1] for r in culprits),
+            max(v[1] for v in first.values()),
+            {
+                "source": "log_events",
+                "class": NONFINITE,
+                "step": step0,
+                "culprits": culprits,
+                "after_all_reduce": later,
+                "action": "restart_job",
+                "action_reason": "roll back to the last checkpoint with finite weights; check the culprit's batch",
+            },
+            extra=[Suspect(r, first[r][2]) for r in culprits[1:]],
+        )
+    ]
 
 
 # torchrun's ChildFailedError summary: "Root Cause (first observed failure):" then the rank and its exit code
@@ -160,6 +226,8 @@ def _finding(
     first_ns: int,
     last_ns: int,
     evidence: dict[str, object],
+    *,
+    extra: list[Suspect] | None = None,
 ) -> Finding:
     return Finding(
         id=finding_id(job_id, attempt, kind, key),
@@ -169,7 +237,7 @@ def _finding(
         severity=Severity(severity),
         confidence=0.9 if severity == "critical" else 0.7,
         title=title,
-        suspects=(suspect,),
+        suspects=(suspect, *(extra or ())),
         first_seen_step=-1,
         last_seen_step=-1,
         first_seen_ns=first_ns,

@@ -26,6 +26,7 @@ Each --fault is KIND:RANK[:SEVERITY][@STEP or @SECONDSs]:
   desync:2@6              rank 2 broadcasts where the others all-reduce
   log:0:nccl_error@6      rank 0 logs an NCCL error (nccl_timeout, cuda_oom, xid)
   gpu:3:79@6              XID 79 on rank 3's GPU (a fake NVML on machines without GPUs)
+  nan:1@10                rank 1's loss is NaN at step 10
 
 Steps are optimizer steps. The command runs as under `ranklens run`; without one, the built-in
 job (4 gloo ranks of ranklens.drill.workload, a plain DDP script) runs. Findings are watched live
@@ -33,7 +34,7 @@ job (4 gloo ranks of ranklens.drill.workload, a plain DDP script) runs. Findings
 detect runs from its onset to the first pass showing it. A finding no fault explains is a false
 alarm. A hang, crash or desync ends the job once detected (or --detect-timeout after onset).
 
---suite quick runs the built-in suite (6 jobs, 7 fault kinds, a few minutes); --suite FILE a TOML
+--suite quick runs the built-in suite (6 jobs, 8 fault kinds, a few minutes); --suite FILE a TOML
 file of [[drill]] tables (name, faults, command). Results go to the `drills` table.
 
 Exit 0 when every fault was detected with the right rank and kind and nothing else was found;

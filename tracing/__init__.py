@@ -297,6 +297,9 @@ def allreduce_hook(process_group, bucket):
 
     group = process_group if process_group is not None else dist.group.WORLD
     buf = bucket.buffer()
+    tracer = _tracer
+    if tracer is not None:  # NaN/Inf on this rank, seen before the all-reduce spreads it (no GPU sync)
+        tracer.nonfinite.bucket(buf, bucket.index())
     # divided before, as torch's own all-reduce hook does: on the calling thread, while earlier
     # buckets are in flight, not in the completion callback after the wait
     buf.div_(dist.get_world_size(group))

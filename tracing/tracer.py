@@ -27,6 +27,7 @@ from ranklens.formats.process import pid_namespace
 from ranklens.formats.spool import SpoolWriter
 from ranklens.tracing._cpu import make_sampler as make_cpu_sampler
 from ranklens.tracing._failures import FailureLog
+from ranklens.tracing._nonfinite import NonFiniteCheck
 
 __all__ = ["Tracer"]
 
@@ -147,6 +148,7 @@ class Tracer:
         self._owns_worker = worker is None
         self.worker = worker if worker is not None else Worker("ranklens-trace", max_queue=64)
         period = max(flush_interval_s, 0.001)
+        self.nonfinite = NonFiniteCheck(self)  # gradients checked before DDP's all-reduce (tracing/_nonfinite.py)
         self._flush_task = self.worker.every(period, self._run, name="flush", blocking=True)
         self._beat_task = self.worker.every(
             period, self._run_beat, name="heartbeat", blocking=True, lane=HEARTBEAT_LANE
@@ -179,6 +181,7 @@ class Tracer:
             if self.ledger is not None:  # the flight-recorder ring's new collectives (tracing/_ledger.py)
                 self.ledger.poll(self.clock(), force=self._stop.is_set())
             rows = self._take()
+            rows += [("log_events", r) for r in self.nonfinite.rows()]
             if self.spans is not None:  # OpenTelemetry spans and metrics, made here and not on the training thread
                 self.spans.flushed(rows, self.count_drop)
             now = self.clock()

@@ -27,6 +27,7 @@ class DrillKind(str, Enum):
     DESYNC = "desync"  # a rank issues a broadcast where the others all-reduce
     LOG = "log"  # error lines in a rank's log (NCCL error, CUDA OOM, XID, NCCL timeout)
     GPU = "gpu"  # an XID event on the rank's GPU, through the fake NVML
+    NAN = "nan"  # the rank's loss turns NaN (its model's output, one step)
 
 
 KINDS = tuple(k.value for k in DrillKind)
@@ -43,6 +44,7 @@ _EXAMPLES = {
     DrillKind.DESYNC: "desync:2@6",
     DrillKind.LOG: "log:0:nccl_error@4 (nccl_error, nccl_timeout, cuda_oom or xid)",
     DrillKind.GPU: "gpu:2:79@4 (XID 79 on rank 2's GPU)",
+    DrillKind.NAN: "nan:1@6 (rank 1's loss is NaN at step 6)",
 }
 
 
@@ -160,7 +162,7 @@ def parse_drill_fault(spec: str) -> DrillFault:
         raise bad(f"target {fields[1]!r} is not a rank (an integer >= 0)")
     rank = int(fields[1])
     rest = fields[2:]
-    max_fields = 2 if kind is DrillKind.SLOW_GPU else (0 if kind in (DrillKind.DESYNC,) else 1)
+    max_fields = 2 if kind is DrillKind.SLOW_GPU else (0 if kind in (DrillKind.DESYNC, DrillKind.NAN) else 1)
     if len(rest) > max_fields:
         raise bad(f"too many fields for {kind.value}")
     sev_text = rest[0] if rest else ""

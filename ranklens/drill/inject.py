@@ -15,6 +15,8 @@ phase the tracer sees:
 - **data** time: a wrapper of the DataLoader iterator's ``__next__`` installed before the tracer's;
 - **hang / crash / log lines / GPU event / desync** start at the first training forward of the
   onset step (before that step's collectives), or at the first forward after ``onset_s``;
+- **nan**: the outermost module's output on the onset step is multiplied by NaN (a forward hook's
+  return value), so the loss and the rank's gradients are NaN before DDP's all-reduce;
 - **desync**: the rank's next ``torch.distributed.all_reduce`` becomes a ``broadcast`` from rank
   0 of the same group (what a rank that took another code path does).
 
@@ -169,7 +171,7 @@ class _Injector:
 
     def _at_step_start(self) -> None:
         for i, f in self.mine:
-            if f.kind is DrillKind.SLOW_GPU or f.kind is DrillKind.SLOW_DATA or not self._due(f):
+            if f.kind in (DrillKind.SLOW_GPU, DrillKind.SLOW_DATA, DrillKind.NAN) or not self._due(f):
                 continue
             if not self._start(i, f):
                 continue
@@ -196,12 +198,17 @@ class _Injector:
             self._at_step_start()
         self._depth += 1
 
-    def forward_post(self, module: Any, args: Any, output: Any) -> None:
+    def forward_post(self, module: Any, args: Any, output: Any) -> Any:
         import torch
 
         self._depth = max(0, self._depth - 1)
         if self._depth == 0 and torch.is_grad_enabled():
             self._slow("forward")
+            for i, f in self.mine:
+                # one step's output: the loss, its gradients, then (after the all-reduce) every rank's
+                if f.kind is DrillKind.NAN and self._due(f) and isinstance(output, torch.Tensor) and self._start(i, f):
+                    return output * float("nan")
+        return None
 
     def optimizer_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         self._slow("optimizer")

@@ -11,7 +11,8 @@ them (:class:`Seen`), so the rules are tested without a job:
   also its log class, for a GPU fault its XID); the **culprit is right** when it names the rank;
 - a finding is **explained** when it detected a fault, names a fault's rank with a kind that can
   report it, or appeared after a fatal fault (hang, crash, desync) began — the peers' errors and
-  timeouts that follow a dead rank are collateral, not alarms. Every other finding is **false**.
+  timeouts that follow a dead rank are collateral, not alarms — or is the job's own ``nan_loss`` log
+  line after a NaN fault. Every other finding is **false**.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ KIND = {
     DrillKind.DESYNC: "desync",
     DrillKind.LOG: "log_error",
     DrillKind.GPU: "gpu_error",
+    DrillKind.NAN: "nan",
 }
 #: finding kinds that count as a detection (the culprit still has to be named)
 DETECTS = {
@@ -42,6 +44,7 @@ DETECTS = {
     DrillKind.DESYNC: {"desync", "hang", "crash"},
     DrillKind.LOG: {"log_error"},
     DrillKind.GPU: {"gpu_error", "log_error"},
+    DrillKind.NAN: {"nan"},
 }
 #: the log class the log fault's lines are classified as
 LOG_CLASS = {"nccl_error": "nccl_error", "nccl_timeout": "nccl_timeout", "cuda_oom": "cuda_oom", "xid": "gpu_xid"}
@@ -171,5 +174,13 @@ def score(faults: list[DrillFault], onsets: dict[int, Onset], seen: list[Seen]) 
             continue  # the same fault seen again (another finding of the same kind on its rank)
         if fatal_from is not None and max(s.seen_ns, s.first_ns) >= fatal_from - int(EARLY_S * 1e9):
             continue  # collateral of a dead or stuck rank
+        if s.kind == "log_error" and any(
+            sc.onset
+            and sc.fault.kind is DrillKind.NAN
+            and s.evidence.get("class") == "nan_loss"
+            and s.seen_ns >= sc.onset.ts_ns - int(EARLY_S * 1e9)
+            for sc in scores
+        ):
+            continue  # the job's own "loss is nan" lines after a NaN fault: every rank has it after the all-reduce
         false.append(s)
     return scores, false

@@ -73,7 +73,13 @@ def _quick() -> Suite:
         (
             # non-fatal faults share a job: a straggler, error lines in another rank's log, an XID on a third
             d("slow forward, NCCL error line, XID", "slow_gpu:2:1.6@8", "log:0:nccl_error@6", "gpu:3:79@6", steps=36),
-            d("slow data loading, CUDA OOM line", "slow_data:1:0.05@8", "log:3:cuda_oom@6", steps=36),
+            d(
+                "slow data loading, CUDA OOM line, NaN loss",
+                "slow_data:1:0.05@8",
+                "log:3:cuda_oom@6",
+                "nan:2@10",
+                steps=36,
+            ),
             d("hang before a collective", "hang:3@6", steps=200),
             d("crash with exit code 3", "crash:1:3@6", steps=200),
             d("SIGKILL", "crash:2:kill@6", steps=200),

@@ -102,3 +102,17 @@ def test_errors_become_findings_warnings_do_not(store):
 
 def test_a_job_without_errors_has_no_incidents(store):
     assert find_incidents(store, "nothing-here", 0) == []
+
+
+def test_nan_names_the_rank_that_had_non_finite_gradients_before_the_all_reduce(store):
+    j = "nan-job"
+
+    def row(rank, step, ts):
+        msg = f"rank {rank}: non-finite gradients (NaN/Inf) in DDP bucket 0 before the all-reduce at step {step}: x"
+        return _log(j, rank, "nonfinite_grad", "error", ts, msg)
+
+    store.write("log_events", [row(2, 10, 1_000), row(0, 11, 2_000), row(1, 11, 2_100), row(3, 11, 2_050)])
+    (f,) = find_incidents(store, j, 0)
+    assert f.kind == "nan" and [s.rank for s in f.suspects] == [2]
+    assert f.evidence["step"] == 10 and f.evidence["after_all_reduce"] == [0, 1, 3]
+    assert "rank 2 produced non-finite gradients (NaN/Inf) at step 10" in f.title

@@ -24,14 +24,14 @@ def test_quick_suite_catches_every_fault_with_no_false_alarm(tmp_path):
         assert d["passed"], json.dumps(d, indent=1)
     assert r.returncode == 0, r.stderr
     assert summary["recall"] == 1.0 and summary["precision"] == 1.0
-    assert len(summary["kinds"]) == 7 and summary["ttd_p90_s"] is not None
+    assert len(summary["kinds"]) == 8 and summary["ttd_p90_s"] is not None
     print("quick suite:", json.dumps(summary), file=sys.stderr)  # the scorecard, in the CI log
     rows = (
         open_store(url, create=False)
         .query("SELECT suite, kind, detected, culprit_ok, passed FROM drills ORDER BY kind")
         .to_pylist()
     )
-    assert len(rows) == sum(len(d["faults"]) for d in drills) == 9
+    assert len(rows) == sum(len(d["faults"]) for d in drills) == 10
     assert all(x["suite"] == "quick" and x["detected"] == 1 and x["passed"] == 1 for x in rows)
 
 

@@ -29,6 +29,7 @@ from tests._jobs import ranklens
         "log:0:nccl_error@4",
         "log:0:cuda_oom@20s",
         "gpu:3:79@6",
+        "nan:1@6",
     ],
 )
 def test_specs_parse_back_to_themselves(spec):
@@ -50,7 +51,7 @@ def test_defaults_and_units():
 @pytest.mark.parametrize(
     ("spec", "says"),
     [
-        ("melt:1", "unknown kind 'melt' (kinds: slow_gpu, slow_data, hang, crash, desync, log, gpu)"),
+        ("melt:1", "unknown kind 'melt' (kinds: slow_gpu, slow_data, hang, crash, desync, log, gpu, nan)"),
         ("hang", "needs a target rank"),
         ("hang:x", "target 'x' is not a rank"),
         ("slow_gpu:1:0.9", "factor 0.9 must be > 1"),
@@ -59,6 +60,7 @@ def test_defaults_and_units():
         ("log:1:gremlins", "log class 'gremlins' is not one of nccl_error, nccl_timeout, cuda_oom, xid"),
         ("hang:1@soon", "onset 'soon' after '@' is neither a step"),
         ("desync:1:2", "too many fields"),
+        ("nan:1:2", "too many fields"),
     ],
 )
 def test_bad_specs_say_what_is_wrong_and_what_is_allowed(spec, says):
@@ -119,7 +121,7 @@ def test_a_fault_that_never_started_is_not_detected():
     assert [s.id for s in false] == ["h"]
 
 
-def test_the_quick_suite_covers_seven_kinds_on_four_ranks():
+def test_the_quick_suite_covers_every_kind_on_four_ranks():
     kinds = {f.kind for d in QUICK.drills for f in d.faults}
     assert kinds == set(DrillKind)
     for d in QUICK.drills:
@@ -164,3 +166,16 @@ def test_cli_bad_input_exits_2_before_any_job(tmp_path, args, says):
     r = ranklens("drill", "--store", f"embedded://{tmp_path / 'st'}", *args, timeout=120)
     assert r.returncode == 2, r.stderr
     assert says in r.stderr
+
+
+def test_a_nan_fault_explains_the_jobs_own_nan_loss_lines():
+    faults = [parse_drill_fault("nan:2@10")]
+    onsets = {0: Onset(int(10e9), 10)}
+    seen = [
+        _seen("n", "nan", [2], 12),
+        _seen("l", "log_error", [-1], 13, **{"class": "nan_loss"}),  # rank 0 prints "loss nan"
+        _seen("o", "log_error", [-1], 13, **{"class": "cuda_oom"}),  # not the NaN's doing
+    ]
+    scores, false = score(faults, onsets, seen)
+    assert scores[0].ok
+    assert [s.id for s in false] == ["o"]
