@@ -184,6 +184,7 @@ def _torchrun_crashes(store: Store, job_id: str, attempt: int) -> list[Finding]:
     ).to_pylist()
     out: list[Finding] = []
     seen: set[int] = set()
+    out += _elastic_failures(store, job_id, attempt, seen)
     for r in rows:
         m = _ROOT_CAUSE.search(str(r["message"]))
         if m is None or int(m.group(1)) in seen:
@@ -208,6 +209,66 @@ def _torchrun_crashes(store: Store, job_id: str, attempt: int) -> list[Finding]:
                     "exit_code": code,
                     "cause": "crash",
                     "log": r["source"],
+                    "action": "restart_job",
+                },
+            )
+        )
+    return out
+
+
+# torch elastic's line when a worker fails (each time, also when it restarts the group afterwards)
+_WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+
+def _elastic_failures(store: Store, job_id: str, attempt: int, seen: set[int]) -> list[Finding]:
+    """``crash`` findings from torch elastic's "failed (exitcode: N) local_rank: L (pid: P)" line: the
+    pid is looked up in the job's heartbeats, which says the rank and the attempt (the group may have
+    been restarted since, so no failure summary is printed)."""
+    rows = store.query(
+        "SELECT host, ts_ns, message FROM log_events "
+        f"WHERE job_id = '{_esc(job_id)}' AND klass = 'rank_failure' AND position(message, 'failed (exitcode:') > 0 "
+        "ORDER BY ts_ns LIMIT 64"
+    ).to_pylist()
+    failed = []
+    for r in rows:
+        m = _WORKER_FAILED.search(str(r["message"]).split("\n", 1)[0])
+        if m:
+            failed.append((int(m.group(1)), int(m.group(3)), r))
+    if not failed:
+        return []
+    pids = ", ".join(str(p) for _, p, _ in failed)
+    who = {
+        (int(h["pid"]), str(h["host"])): (int(h["rank"]), int(h["attempt"]))
+        for h in store.query(
+            "SELECT DISTINCT pid, host, rank, attempt FROM heartbeats "
+            f"WHERE job_id = '{_esc(job_id)}' AND pid IN ({pids})"
+        ).to_pylist()
+    }
+    out = []
+    for code, pid, r in failed:
+        found = who.get((pid, str(r["host"]))) or next((v for (p, _h), v in who.items() if p == pid), None)
+        if found is None or found[1] != attempt or found[0] in seen:
+            continue
+        rank = found[0]
+        seen.add(rank)
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        out.append(
+            _finding(
+                job_id,
+                attempt,
+                "crash",
+                f"torchrun:{rank}",
+                "critical",
+                f"rank {rank} crashed ({how}, pid {pid}): torch elastic stopped the worker group",
+                Suspect(rank, str(r["host"])),
+                int(r["ts_ns"]),
+                int(r["ts_ns"]),
+                {
+                    "source": "log_events",
+                    "class": "rank_failure",
+                    "exit_code": code,
+                    "pid": pid,
+                    "cause": "crash",
                     "action": "restart_job",
                 },
             )

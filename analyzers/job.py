@@ -70,11 +70,20 @@ class Update:
         return self.new + self.changed + self.resolved
 
 
+# evidence keys that are attached to a finding after the analysis made it (recovery executors)
+_KEPT = frozenset({"stacks"})
+
+
 class FindingTracker:
     """Remembers the open findings between passes (one per id)."""
 
     def __init__(self) -> None:
         self.open: dict[str, Finding] = {}
+
+    def annotate(self, f: Finding) -> None:
+        """Replace the open finding ``f.id`` with ``f`` (evidence attached since the pass made it)."""
+        if f.id in self.open:
+            self.open[f.id] = f
 
     def update(self, findings: list[Finding]) -> Update:
         u = Update()
@@ -82,6 +91,10 @@ class FindingTracker:
         for f in findings:
             seen.add(f.id)
             old = self.open.get(f.id)
+            if old is not None and _KEPT.intersection(old.evidence) - set(f.evidence):
+                # evidence attached after the analysis (the stacks taken before a restart) stays
+                kept = {k: old.evidence[k] for k in _KEPT if k in old.evidence and k not in f.evidence}
+                f = dataclasses.replace(f, evidence={**f.evidence, **kept})
             if old is None:
                 if f.state != "resolved":
                     u.new.append(f)

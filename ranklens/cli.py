@@ -928,6 +928,20 @@ def _preflight_before_run(store: Any, checks_spec: str, job_id: str) -> None:
     metavar="NAME,...",
     help="With --preflight: the checks (names or groups, as `ranklens preflight --checks`).",
 )
+@click.option(
+    "--recover",
+    "recover_policy",
+    default=None,
+    metavar="POLICY",
+    help="Analyze the job live and carry out the policy's recovery (its [[executor]] tables: torchrun "
+    "restarts the worker group in place); prints MTTD/MTTR at the end. See deploy/policies/torchrun-restart.toml.",
+)
+@click.option(
+    "--outbox",
+    "outbox_dir",
+    default=None,
+    help="With --recover: the durable webhook outbox directory (default: ~/.ranklens/outbox).",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @_errors
 def run(
@@ -937,6 +951,8 @@ def run(
     no_collect: bool,
     preflight: bool,
     preflight_checks: str,
+    recover_policy: str | None,
+    outbox_dir: str | None,
     command: tuple[str, ...],
 ) -> None:
     """Trace an unmodified training command: ranklens run -- torchrun --nproc-per-node 4 train.py
@@ -957,7 +973,17 @@ def run(
 
         job_id = resolve_job_id(job_id)  # the same id for the check and the job
         _preflight_before_run(store, preflight_checks, job_id)
-    result = run_traced(command, store, spool_dir=spool_dir, job_id=job_id, log=lambda s: click.echo(s, err=True))
+    supervise = None
+    if recover_policy is not None:
+        supervise = _recovery_supervisor(recover_policy, store, no_collect, spool_dir, outbox_dir)
+    result = run_traced(
+        command, store, spool_dir=spool_dir, job_id=job_id, log=lambda s: click.echo(s, err=True), supervise=supervise
+    )
+    if recover_policy is not None and store is not None:
+        from ranklens.recover import recovery_times
+
+        for t in recovery_times(store, result.job_id):
+            click.echo(f"ranklens run: recovery: {t.line()}", err=True)
     if result.collector and result.store_error:
         ship_later = getattr(store, "url", None) or ship_later
         click.echo(
@@ -981,6 +1007,40 @@ def run(
         if note := password_note(ship_later):
             click.echo(f"ranklens run: {note}", err=True)
     sys.exit(result.returncode)
+
+
+def _recovery_supervisor(policy_file: str, store: Any, no_collect: bool, spool_dir: str, outbox_dir: str | None) -> Any:
+    """``ranklens run --recover``: the policy is checked before the command starts (exit 2)."""
+    import os
+
+    from ranklens.analyzers.recovery.policy import load_policy
+    from ranklens.config import ENV_FR_STUCK_S
+    from ranklens.errors import ConfigError
+
+    if no_collect or store is None:
+        raise ConfigError("--recover analyzes the job live from the store: not with --no-collect")
+    policy = load_policy(policy_file)
+    if not policy.executors:
+        click.echo(
+            f"ranklens run: warning: {policy_file} has no [[executor]]: recovery is decided, not carried out", err=True
+        )
+    # the ranks dump their stacks when a collective is stuck this long: before the hang is detected
+    # (10 s) and the worker restarted, so the stacks survive the restart
+    os.environ.setdefault(ENV_FR_STUCK_S, "5")
+    outbox = outbox_dir or os.path.join(os.path.expanduser("~"), ".ranklens", "outbox")
+
+    def start(job_id: str) -> Any:
+        from ranklens.recover import RecoverySupervisor
+
+        def say(m: str) -> None:
+            click.echo(f"ranklens run: {m}", err=True)
+
+        mode = "dry run: decisions are recorded, nothing is done" if policy.dry_run else "live"
+        names = ", ".join(x.name for x in policy.executors) or "none"
+        say(f"recovery: policy {policy_file} ({mode}), executors: {names}")
+        return RecoverySupervisor(store, job_id, policy, outbox_dir=outbox, spool_dir=spool_dir, log=say).start()
+
+    return start
 
 
 def _open_for_run(store_url: str | None) -> tuple[Any, str | None]:

@@ -24,6 +24,8 @@ __all__ = [
     "ENV_COLLECTOR_PREFIX",
     "ENV_DDP",
     "ENV_DISABLE",
+    "ENV_DRILL",
+    "ENV_ELASTIC_STORE",
     "ENV_FAKE_NVML",
     "ENV_FR_INTERVAL_S",
     "ENV_FR_LEDGER",
@@ -59,6 +61,8 @@ ENV_FAKE_NVML = "RANKLENS_FAKE_NVML"  # a JSON spec of fake GPUs the pre-flight 
 ENV_FR_LEDGER = "RANKLENS_FR_LEDGER"  # 0: no flight-recorder ring, the wrappers' own seqs only
 ENV_FR_STUCK_S = "RANKLENS_FR_STUCK_S"  # dump the ring when a collective is stuck this long
 ENV_FR_INTERVAL_S = "RANKLENS_FR_INTERVAL_S"  # also dump it every this many seconds
+ENV_DRILL = "RANKLENS_DRILL"  # `ranklens drill`'s plan: faults the bootstrap injects (also in sitecustomize.py)
+ENV_ELASTIC_STORE = "RANKLENS_ELASTIC_STORE"  # 0: restarted torch elastic attempts keep torch's store keys
 ENV_PROFILE_EVERY = "RANKLENS_PROFILE_EVERY"  # a profiler window every N steps
 ENV_DDP = "RANKLENS_DDP"  # 0: do not instrument DDP
 ENV_AUTOSTEP = "RANKLENS_AUTOSTEP"  # 0: no step inference for scripts that mark none

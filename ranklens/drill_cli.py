@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -37,6 +38,11 @@ alarm. A hang, crash or desync ends the job once detected (or --detect-timeout a
 --suite quick runs the built-in suite (6 jobs, 8 fault kinds, a few minutes); --suite FILE a TOML
 file of [[drill]] tables (name, faults, command). Results go to the `drills` table.
 
+With --recover POLICY the findings are acted on (deploy/policies/torchrun-restart.toml: torch
+elastic restarts the worker group in place); a hang, crash or desync then passes only when
+training resumed (the next attempt's first step), and the scorecard says after how long.
+--suite recovery runs a hang, a desync and a crash that way.
+
 Exit 0 when every fault was detected with the right rank and kind and nothing else was found;
 9 otherwise (a missed fault, a wrong culprit or kind, a false alarm, a job that failed by itself).
 """
@@ -46,7 +52,7 @@ def _scorecard(r: Any) -> list[str]:
     status = "PASS" if r.passed else "FAIL"
     how = "stopped by the drill" if r.stopped_by_drill else f"exit {r.exit_code}"
     lines = [f"{status}  {r.name or r.drill_id}  (job {r.job_id}, {r.wall_s:.0f} s, {how})"]
-    rows = [("fault", "onset", "detected", "ttd", "kind", "culprit", "finding")]
+    rows = [("fault", "onset", "detected", "ttd", "kind", "culprit", "resumed" if r.recovering else "", "finding")]
     for s in r.scores:
         onset = "-" if s.onset is None else (f"step {s.onset.step}" if s.onset.step >= 0 else "yes")
         finding = f"{s.finding.kind}: {s.finding.title}" if s.finding else s.note
@@ -58,12 +64,14 @@ def _scorecard(r: Any) -> list[str]:
                 "-" if s.ttd_s is None else f"{s.ttd_s:.1f} s",
                 ("ok" if s.kind_ok else "WRONG") if s.detected else "-",
                 ("ok" if s.culprit_ok else "WRONG") if s.detected else "-",
+                ("-" if s.resumed_s is None else f"{s.resumed_s:.1f} s") if r.recovering else "",
                 finding if len(finding) <= 110 else finding[:107] + "...",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+    cols = 7 if r.recovering else 6
+    widths = [max(len(row[i]) for row in rows) for i in range(cols)]
     for row in rows:
-        lines.append("  " + "  ".join(c.ljust(widths[i]) for i, c in enumerate(row[:6])) + "  " + row[6])
+        lines.append("  " + "  ".join(c.ljust(widths[i]) for i, c in enumerate(row[:cols])) + "  " + row[7])
     if r.false_findings:
         lines.append(f"  false findings ({len(r.false_findings)}):")
         lines += [f"    {f.kind}: {f.title[:140]}" for f in r.false_findings]
@@ -130,6 +138,15 @@ def suite_summary(results: list[Any]) -> dict[str, Any]:
     help="Seconds after a hang/crash/desync's onset before the drill gives up waiting for a finding.",
 )
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between live analysis passes.")
+@click.option(
+    "--recover",
+    "recover_policy",
+    default=None,
+    metavar="POLICY",
+    help="Act on the findings with this recovery policy (e.g. deploy/policies/torchrun-restart.toml): a "
+    "hang, crash or desync must then end in training resumed, whose time is measured.",
+)
+@click.option("--outbox", "outbox_dir", default=None, help="With --recover: the webhook outbox directory.")
 @click.option("--show-output", is_flag=True, help="Echo the job's output (it always goes to the job log).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per drill, then the suite summary.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -142,6 +159,8 @@ def drill_command(
     timeout_s: float | None,
     detect_timeout_s: float,
     interval: float,
+    recover_policy: str | None,
+    outbox_dir: str | None,
     show_output: bool,
     as_json: bool,
     command: tuple[str, ...],
@@ -156,15 +175,25 @@ def drill_command(
     if world is not None and world < 1:
         raise ConfigError(f"--world {world}: must be >= 1")
     cmd = tuple(command[1:] if command and command[0] == "--" else command)
+    policy = None
+    if recover_policy:
+        from ranklens.analyzers.recovery.policy import load_policy
+
+        policy = load_policy(recover_policy)
     if suite:
         s = load_suite(suite)
+        if s.needs_recovery and policy is None:
+            raise ConfigError(
+                f"--suite {suite} measures fault -> training resumed: give --recover POLICY "
+                "(e.g. deploy/policies/torchrun-restart.toml)"
+            )
         drills = [Drill(d.name, d.faults, cmd or d.command) for d in s.drills]
         suite_name, timeout = s.name, timeout_s or s.timeout_s
     else:
         parsed = tuple(parse_drill_fault(f) for f in faults)
         drills = [Drill("", parsed, cmd or tuple(quick_command()))]
         suite_name, timeout = "", timeout_s or 600.0
-    if world is None and not cmd and (suite == "quick" or not suite):
+    if world is None and not cmd and (suite in ("quick", "recovery") or not suite):
         world = 4  # the built-in job
     if world is not None:
         from ranklens.drill.faults import validate_targets
@@ -194,6 +223,8 @@ def drill_command(
             echo=sys.stderr.buffer if show_output else None,
             log=say,
             save=False,
+            policy=policy,
+            outbox_dir=outbox_dir or os.path.join(os.path.expanduser("~"), ".ranklens", "outbox"),
         )
         save_drill(store, r, suite=suite_name)
         results.append(r)

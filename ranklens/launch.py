@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ranklens.collector import Shipper
 from ranklens.collector.shipper import ShipResult
@@ -79,9 +80,13 @@ def run_traced(
     job_id: str | None = None,
     interval_s: float = 1.0,
     log: Callable[[str], None] = lambda s: None,
+    supervise: Callable[[str], Any] | None = None,
 ) -> RunResult:
     """Run ``command`` traced; ship its spool to ``store`` while it runs (when no other collector
-    serves ``spool_dir``). Returns the command's exit code. ``store=None``: spool only."""
+    serves ``spool_dir``). Returns the command's exit code. ``store=None``: spool only.
+
+    ``supervise(job_id)``, when given, is called once the shipper runs and returns something with a
+    ``stop()`` (``ranklens run --recover``'s supervisor), stopped after the last shipping pass."""
     if not command:
         raise ConfigError("ranklens run needs a command after --, e.g. ranklens run -- torchrun ... train.py")
     job_id = resolve_job_id(job_id)
@@ -108,14 +113,19 @@ def run_traced(
             log(f"ranklens run: job {job_id}, spool {spool_dir} (served by another collector)")
         else:
             log(f"ranklens run: job {job_id}, spool {spool_dir} (not shipped by this run)")
+        supervisor = supervise(job_id) if supervise is not None else None
         try:
             rc = _run_child(command, env)
         except BaseException:
             if loop is not None:
                 loop.close(timeout_s=0)  # the last pass starts; a failed start does not wait for it
+            if supervisor is not None:
+                supervisor.stop()
             raise
         if loop is not None:
             loop.close(timeout_s=300)  # the last pass: what the ranks wrote last
+        if supervisor is not None:
+            supervisor.stop()
     store_error = last[-1].error if last else None
     left = sum(1 for _ in Path(spool_dir, job_id).rglob("*.jsonl")) if store_error else 0
     return RunResult(job_id, rc, dict(shipper.totals) if shipper else {}, shipper is not None, True, store_error, left)

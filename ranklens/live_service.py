@@ -207,7 +207,9 @@ class LiveAnalysis:
         if self.exporter is not None:
             self.exporter.update(list(self.tracker.open.values()))
         if self.engine is not None and update.new + update.changed:
-            self.engine.process(update.new + update.changed)
+            report = self.engine.process(update.new + update.changed)
+            for f in getattr(report, "annotated", None) or ():
+                self.tracker.annotate(f)  # later versions keep what the executor attached (stacks)
         return update
 
     def run(

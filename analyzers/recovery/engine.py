@@ -23,11 +23,13 @@ from typing import Any
 from ranklens.analyzers.findings import Finding
 from ranklens.analyzers.recovery.api import Decision, Level, PayloadTooLarge, idempotency_key
 from ranklens.analyzers.recovery.audit import History, action_row, load_history
+from ranklens.analyzers.recovery.executors.api import ExecContext, ExecResult, build_executor
 from ranklens.analyzers.recovery.hooks import HookRegistry, default_registry
 from ranklens.analyzers.recovery.outbox import DeliveryOutbox, NewDelivery
 from ranklens.analyzers.recovery.payload import build_payload
 from ranklens.analyzers.recovery.policy import Policy
 from ranklens.analyzers.recovery.webhooks import DeliveryStats, Transport, WebhookDispatcher
+from ranklens.config import node_name
 from ranklens.store.api import Store
 
 __all__ = ["RecoveryEngine", "RunReport", "act_on", "target_for"]
@@ -62,6 +64,8 @@ class RunReport:
     already_decided: list[str] = field(default_factory=list)
     unmatched: list[str] = field(default_factory=list)
     hooks: list[tuple[str, str, str]] = field(default_factory=list)
+    executed: list[tuple[str, str, ExecResult]] = field(default_factory=list)
+    annotated: list[Finding] = field(default_factory=list)  # findings given evidence by an executor
     deliveries: DeliveryStats = field(default_factory=DeliveryStats)
     audit_rows_written: int = 0
 
@@ -86,6 +90,9 @@ class RunReport:
             "already_decided": self.already_decided,
             "unmatched": self.unmatched,
             "hooks": [{"hook": h, "finding_id": f, "outcome": o} for h, f, o in self.hooks],
+            "executors": [
+                {"executor": x, "finding_id": f, "outcome": r.outcome, "detail": r.detail} for x, f, r in self.executed
+            ],
             "deliveries": {
                 "acknowledged": self.deliveries.acknowledged,
                 "retrying": self.deliveries.retrying,
@@ -120,8 +127,11 @@ class RecoveryEngine:
         rng: random.Random | None = None,
         sleep: Callable[[float], None] = time.sleep,
         metrics: Any = None,
+        context: ExecContext | None = None,
     ) -> None:
         self.policy = policy
+        self.context = context or ExecContext(store=store, host=node_name())
+        self.executors = [build_executor(x) for x in policy.executors]
         self.store = store
         self.hooks = hooks if hooks is not None else default_registry
         self._clock_ns = clock_ns
@@ -344,8 +354,57 @@ class RecoveryEngine:
             )
             if self.metrics is not None:
                 self.metrics.delivery(f"hook:{spec.name}", res.outcome)
+        for ex in self.executors:
+            if not ex.spec.accepts(d.level, f.kind):
+                continue
+            t0 = time.monotonic()
+            xres: ExecResult
+            if d.dry_run:
+                xres = ExecResult("skipped", f"dry run: would send {ex.describe(d)}")
+            else:
+                try:
+                    xres = ex.execute(d, self.context)
+                except Exception as e:  # an executor's failure is a row, never an error of the analysis
+                    logger.exception("recovery: executor %s failed", ex.spec.name)
+                    xres = ExecResult("failed", f"{type(e).__name__}: {e}")
+            report.executed.append((ex.spec.name, f.id, xres))
+            logger.info("recovery: executor %s: %s: %s", ex.spec.name, xres.outcome, xres.detail)
+            rows.append(
+                action_row(
+                    finding_id=f.id,
+                    job_id=f.job_id,
+                    attempt=f.attempt,
+                    action=d.level.value,
+                    target=f"executor:{ex.spec.name}",
+                    idempotency_key=d.key,
+                    outcome=xres.outcome,
+                    detail={"detail": xres.detail, "seconds": round(time.monotonic() - t0, 3), **xres.data},
+                    ts_ns=self._clock_ns(),
+                )
+            )
+            if self.metrics is not None:
+                self.metrics.delivery(f"executor:{ex.spec.name}", xres.outcome)
+            stacks = [x for x in xres.data.get("signalled", []) if x.get("innermost")]
+            if stacks and self.store is not None:
+                report.annotated.append(self._attach_stacks(f, stacks))
         if rows:
             self.outbox.add_audit(rows)
+
+    def _attach_stacks(self, f: Finding, stacks: list[dict[str, Any]]) -> Finding:
+        """A new version of the finding with the stuck ranks' stacks, taken before the restart."""
+        import dataclasses
+
+        from ranklens.analyzers.findings import save_findings
+
+        ev = dict(f.evidence)
+        ev["stacks"] = {str(x["rank"]): {"file": x.get("stacks"), "innermost": x["innermost"]} for x in stacks}
+        annotated = dataclasses.replace(f, evidence=ev, updated_ns=self._clock_ns())
+        try:
+            assert self.store is not None
+            save_findings(self.store, [annotated])
+        except Exception as e:
+            logger.warning("recovery: could not attach the stacks to finding %s: %s", f.id, e)
+        return annotated
 
     def _skip_row(self, d: Decision, target: str, why: str) -> dict[str, Any]:
         f = d.finding

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 from ranklens.analyzers.findings import Finding
 from ranklens.analyzers.recovery.api import Level, PolicyError
+from ranklens.analyzers.recovery.executors.api import EXECUTOR_KINDS, NOT_YET, ExecutorSpec
 from ranklens.analyzers.recovery.signing import SignatureScheme, standard_key
 from ranklens.formats.severity import Severity
 
@@ -183,6 +184,7 @@ class Policy:
     dashboard_url: str = ""
     max_payload_bytes: int = 65536
     source: str = "<policy>"
+    executors: tuple[ExecutorSpec, ...] = ()
 
     def match(self, f: Finding) -> PolicyRule | None:
         """The first rule that matches ``f``, or None."""
@@ -322,7 +324,9 @@ def parse_policy(
     """Build a :class:`Policy` from parsed TOML (a dict); see :func:`load_policy`."""
     env = os.environ if env is None else env
     r = _Reader(source)
-    r.keys(data, "", {"version", "dry_run", "dashboard_url", "max_payload_bytes", "guards", "rule", "endpoint"})
+    r.keys(
+        data, "", {"version", "dry_run", "dashboard_url", "max_payload_bytes", "guards", "rule", "endpoint", "executor"}
+    )
     version = data.get("version", POLICY_VERSION)
     if version != POLICY_VERSION:
         raise PolicyError(
@@ -349,6 +353,11 @@ def parse_policy(
     for n in enames:
         if enames.count(n) > 1:
             raise PolicyError(source, "endpoint.name", f"{n!r} is used by {enames.count(n)} endpoints")
+    executors = tuple(_executor(r, d, i) for i, d in enumerate(r.array(data, "", "executor")))
+    xnames = [x.name for x in executors]
+    for n in xnames:
+        if xnames.count(n) > 1:
+            raise PolicyError(source, "executor.name", f"{n!r} is used by {xnames.count(n)} executors")
     dashboard_url = r.string(data, "", "dashboard_url", "")
     try:
         dashboard_url.format(job_id="j", attempt=0, finding_id="f", kind="k")
@@ -364,7 +373,35 @@ def parse_policy(
         dashboard_url=dashboard_url,
         max_payload_bytes=r.integer(data, "", "max_payload_bytes", 65536, lo=4096, hi=16 * 1024 * 1024),
         source=source,
+        executors=executors,
     )
+
+
+def _executor(r: _Reader, d: Any, i: int) -> ExecutorSpec:
+    where0 = f"executor[{i}]"
+    r.table(d, where0)
+    kind = r.string(d, where0, "kind", "")
+    if kind in NOT_YET:
+        raise PolicyError(r.source, f"{where0}.kind", f"{kind!r}: {NOT_YET[kind]}")
+    if kind not in EXECUTOR_KINDS:
+        raise PolicyError(
+            r.source, f"{where0}.kind", f"{kind!r} is not an executor kind; one of {sorted(EXECUTOR_KINDS)}"
+        )
+    options = EXECUTOR_KINDS[kind]
+    name, where = r.entry(d, "executor", i, {"name", "kind", "levels", "kinds", *options})
+    levels = tuple(
+        r.level(v, f"{where}.levels")
+        for v in r.strings(d, where, "levels", (Level.RESTART_RANK.value, Level.RESTART_JOB.value))
+    )
+    opts: dict[str, Any] = {}
+    if "signal" in options:
+        sig = r.string(d, where, "signal", "SIGKILL").upper()
+        if sig not in ("SIGKILL", "SIGTERM", "SIGINT"):
+            raise PolicyError(r.source, f"{where}.signal", f"{sig!r}: one of 'SIGKILL', 'SIGTERM', 'SIGINT'")
+        opts["signal"] = sig
+    if "stacks_wait_s" in options:
+        opts["stacks_wait_s"] = r.number(d, where, "stacks_wait_s", 10.0, lo=0, hi=600)
+    return ExecutorSpec(name=name, kind=kind, levels=levels, kinds=r.strings(d, where, "kinds", ("*",)), options=opts)
 
 
 def _rule(r: _Reader, d: Any, i: int) -> PolicyRule:

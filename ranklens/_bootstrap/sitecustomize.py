@@ -28,6 +28,10 @@ def _patch_c10d(mod):
 
     @functools.wraps(orig)
     def init_process_group(*args, **kwargs):
+        try:
+            _attempt_store(args, kwargs)
+        except Exception:  # as torch would have done it
+            pass
         result = orig(*args, **kwargs)
         drill = None
         if os.environ.get("RANKLENS_DRILL"):  # `ranklens drill`: faults injected into this rank
@@ -52,6 +56,35 @@ def _patch_c10d(mod):
 
     init_process_group.__ranklens_wrapped__ = orig  # type: ignore[attr-defined]
     mod.init_process_group = init_process_group
+
+
+def _attempt_store(args, kwargs):
+    """A restarted attempt of a torch elastic job gets a key space of its own in the agent's store.
+
+    torch elastic keeps its store (same MASTER_PORT) across restarts of the worker group, so the
+    restarted ranks find the previous attempt's keys: gloo then connects to the dead workers' ports
+    ("Gloo connectFullMesh failed ... Connection refused") and the in-place restart never comes up.
+    For attempts after the first, when the script leaves the store to torch (no ``store``, the
+    ``env://`` init method), the process group is made on the agent's store under the prefix
+    ``/ranklens/attempt_<n>/``. ``RANKLENS_ELASTIC_STORE=0`` leaves it to torch."""
+    env = os.environ
+    if env.get("RANKLENS_ELASTIC_STORE", "1").lower() in ("0", "false", "no"):
+        return
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if attempt == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    if len(args) > 1 or kwargs.get("store") is not None or kwargs.get("init_method") not in (None, "env://"):
+        return
+    if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT") and env.get("RANK") and env.get("WORLD_SIZE")):
+        return
+    import torch.distributed as dist
+
+    timeout = kwargs.get("timeout") or dist.constants.default_pg_timeout
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    kwargs["store"] = dist.PrefixStore(f"/ranklens/attempt_{attempt}/", store)
+    kwargs.pop("init_method", None)
+    kwargs.setdefault("rank", int(env["RANK"]))
+    kwargs.setdefault("world_size", int(env["WORLD_SIZE"]))
 
 
 class _Loader(importlib.abc.Loader):

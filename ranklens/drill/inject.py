@@ -39,11 +39,11 @@ import threading
 import time
 from typing import Any
 
+from ranklens.config import ENV_ATTEMPT, ENV_DRILL
 from ranklens.drill.faults import DrillFault, DrillKind
 
 __all__ = ["ENV_DRILL", "after_init", "before_init", "log_lines"]
 
-ENV_DRILL = "RANKLENS_DRILL"
 log = logging.getLogger("ranklens.drill")
 
 
@@ -96,7 +96,9 @@ class _Injector:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
         self.truth_dir = str(plan["truth_dir"])
         self.faults = [(i, DrillFault.from_json(d)) for i, d in enumerate(plan["faults"])]
-        self.mine = [(i, f) for i, f in self.faults if f.rank == self.rank]
+        # faults break the first attempt only: a restarted worker group (torch elastic) runs clean
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(ENV_ATTEMPT) or 0)
+        self.mine = [(i, f) for i, f in self.faults if f.rank == self.rank] if self.attempt == 0 else []
         self.t0 = time.time()
         self.step = 0  # completed optimizer steps
         self.step_ends: list[float] = []
@@ -111,6 +113,7 @@ class _Injector:
             {
                 "event": "ready",
                 "rank": self.rank,
+                "attempt": self.attempt,
                 "world_size": self.world,
                 "local_rank": self.local_rank,
                 "pid": os.getpid(),

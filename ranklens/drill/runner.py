@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ranklens.collector import Shipper
-from ranklens.config import node_name
+from ranklens.config import ENV_FR_STUCK_S, node_name
 from ranklens.drill.faults import DrillFault, DrillKind, validate_targets
 from ranklens.drill.inject import ENV_DRILL
 from ranklens.drill.score import FaultScore, Onset, Seen, score
@@ -56,10 +56,15 @@ class DrillResult:
     log_path: str
     findings_seen: int = 0
     rows: dict[str, int] = field(default_factory=dict)
+    recovering: bool = False  # run with a recovery policy: fatal faults must end in training resumed
 
     @property
     def passed(self) -> bool:
-        return not self.job_failed and not self.false_findings and all(s.ok for s in self.scores)
+        ok = not self.job_failed and not self.false_findings and all(s.ok for s in self.scores)
+        if ok and self.recovering:
+            fatal = [s for s in self.scores if s.fault.fatal and s.applied]
+            ok = all(s.resumed_s is not None for s in fatal) and (not fatal or self.exit_code == 0)
+        return ok
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -77,6 +82,7 @@ class DrillResult:
             "job_failed": self.job_failed,
             "wall_s": round(self.wall_s, 2),
             "findings_seen": self.findings_seen,
+            "recovering": self.recovering,
             "log": self.log_path,
         }
 
@@ -229,15 +235,20 @@ def run_drill(
     echo: IO[bytes] | None = None,
     log: Callable[[str], None] = lambda s: None,
     save: bool = True,
+    policy: Any = None,
+    outbox_dir: str = "",
 ) -> DrillResult:
     """Run ``command`` with ``faults`` injected; returns the scored result (stored in ``drills``).
+
+    With ``policy`` (a recovery policy with executors, e.g. torchrun in-place restarts), findings are
+    acted on as under ``ranklens run --recover``: a hang, crash or desync does not end the drill, the
+    job is followed into its next attempt and each fault's *fault -> training resumed* time is measured.
 
     Raises:
         ConfigError: no command, no fault, a rank outside the world (exit 2).
     """
-    from ranklens.analyzers.findings import Finding
     from ranklens.drill.store import save_drill
-    from ranklens.live_service import LiveAnalysis
+    from ranklens.recover import RecoverySupervisor, recovery_times
 
     if not command:
         raise ConfigError(
@@ -256,7 +267,11 @@ def run_drill(
     truth.mkdir()
     plan = work / "plan.json"
     plan.write_text(json.dumps({"truth_dir": str(truth), "faults": [f.to_json() for f in faults]}))
+    # "{drill_dir}" in the command: this drill's own directory (a checkpoint that survives a restart)
+    command = [a.replace("{drill_dir}", str(work)) for a in command]
     env = traced_env(dict(os.environ), job_id=job_id, spool_dir=str(spool))
+    if policy is not None:  # stacks dumped before the restart (as under `ranklens run --recover`)
+        env.setdefault(ENV_FR_STUCK_S, "5")
     env[ENV_DRILL] = str(plan)
     env.setdefault("PYTHONUNBUFFERED", "1")
     host = node_name()
@@ -266,9 +281,7 @@ def run_drill(
 
     shipper = Shipper(spool, store)
     loop = shipper.start(interval_s=0.5)
-    live = LiveAnalysis(store, job_id, 0, save=True)
-    seen: dict[str, Seen] = {}
-    latest: dict[str, Finding] = {}
+    sup = RecoverySupervisor(store, job_id, policy, outbox_dir=outbox_dir, spool_dir=str(spool), log=log)
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -290,14 +303,13 @@ def run_drill(
         if gpus is not None:
             gpus.update(ready, onsets, faults)
             gpus.sample(store)
-        update = live.run_pass()
-        now = time.time_ns()
-        for f in update.new + update.changed:
-            latest[f.id] = f
-            if f.id not in seen:
-                seen[f.id] = Seen(
-                    f.id, f.kind, tuple(s.rank for s in f.suspects), f.title, now, f.first_seen_ns, dict(f.evidence)
-                )
+        sup.one_pass()
+
+    def seen() -> list[Seen]:
+        return [
+            Seen(f.id, f.kind, tuple(s.rank for s in f.suspects), f.title, first, f.first_seen_ns, dict(f.evidence))
+            for f, first in sup.found.values()
+        ]
 
     try:
         while proc.poll() is None:
@@ -322,14 +334,17 @@ def run_drill(
                 break
             fatal = [(i, f) for i, f in enumerate(faults) if f.fatal and i in onsets]
             if fatal:
-                interim, _ = score(faults, onsets, list(seen.values()))
+                interim, _ = score(faults, onsets, seen())
                 pending = [
                     i
                     for i, f in fatal
                     if not interim[i].detected and time.time_ns() - onsets[i].ts_ns < detect_timeout_s * 1e9
                 ]
-                if not pending:
+                missed = [i for i, f in fatal if not interim[i].detected and i not in pending]
+                if policy is None and not pending:
                     break  # every fatal fault seen (or out of time): the job will not recover by itself
+                if policy is not None and missed:
+                    break  # recovering, but a fatal fault went unseen: nothing will restart the job
         if proc.poll() is None:
             stopped = True
             _stop(proc)
@@ -346,8 +361,19 @@ def run_drill(
             one_pass()
     except Exception as e:
         log(f"drill: final analysis pass failed: {type(e).__name__}: {e}")
+    sup.stop()
     ready, onsets = _read_truth(truth)
-    scores, false = score(faults, onsets, list(seen.values()))
+    scores, false = score(faults, onsets, seen())
+    if policy is not None:
+        times = {t.finding_id: t for t in recovery_times(store, job_id)}
+        for sc in scores:
+            t = times.get(sc.finding.id) if sc.finding else None
+            if t is not None and sc.onset is not None:
+                sc.acted_s = max(0.0, (t.action_ns - sc.onset.ts_ns) / 1e9)
+                if t.resumed_ns is not None:
+                    sc.resumed_s = max(0.0, (t.resumed_ns - sc.onset.ts_ns) / 1e9)
+            if sc.fault.fatal and sc.applied and sc.resumed_s is None and sc.ok:
+                sc.note = "detected, but training did not resume" if t else "detected, but nothing was done about it"
     code = proc.returncode
     job_failed = ""
     fatal_applied = any(s.applied and s.fault.fatal for s in scores)
@@ -372,8 +398,9 @@ def run_drill(
         job_failed=job_failed,
         wall_s=time.monotonic() - start,
         log_path=str(out.path),
-        findings_seen=len(seen),
+        findings_seen=len(sup.found),
         rows=dict(shipper.totals),
+        recovering=policy is not None,
     )
     if save:
         save_drill(store, result)

@@ -81,6 +81,8 @@ class FaultScore:
     kind_ok: bool = False
     culprit_ok: bool = False
     note: str = ""
+    acted_s: float | None = None  # with recovery: onset -> the executor acted
+    resumed_s: float | None = None  # with recovery: onset -> training resumed (next attempt's first step)
 
     @property
     def applied(self) -> bool:
@@ -110,6 +112,8 @@ class FaultScore:
             "finding": None
             if self.finding is None
             else {"id": self.finding.id, "kind": self.finding.kind, "title": self.finding.title},
+            "acted_s": None if self.acted_s is None else round(self.acted_s, 3),
+            "resumed_s": None if self.resumed_s is None else round(self.resumed_s, 3),
             "note": self.note,
         }
 

@@ -33,6 +33,7 @@ def drill_rows(result: DrillResult, *, suite: str = "") -> list[dict[str, Any]]:
             "onset_ns": s.onset.ts_ns if s.onset else 0,
             "detected": int(s.detected),
             "ttd_s": math.nan if s.ttd_s is None else float(s.ttd_s),
+            "resumed_s": math.nan if s.resumed_s is None else float(s.resumed_s),
             "kind_ok": int(s.kind_ok),
             "culprit_ok": int(s.culprit_ok),
             "finding_id": s.finding.id if s.finding else "",

@@ -14,7 +14,9 @@ A suite file::
     faults = ["hang:3@6"]
     command = ["torchrun", "--nproc-per-node", "4", "other.py"]   # optional, per drill
 
-Each drill is one run of its command with its faults.
+Each drill is one run of its command with its faults; ``{drill_dir}`` in a command is the drill's
+own fresh directory (for a checkpoint a restarted attempt resumes from). ``--suite recovery`` (a hang,
+a desync and a crash on a job torch elastic may restart) needs ``--recover POLICY``.
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ import tomllib
 from ranklens.drill.faults import DrillFault, parse_drill_fault
 from ranklens.errors import ConfigError
 
-__all__ = ["QUICK", "Drill", "Suite", "load_suite", "quick_command"]
+__all__ = ["QUICK", "RECOVERY", "Drill", "Suite", "load_suite", "quick_command"]
 
 
-def quick_command(steps: int = 40, ranks: int = 4) -> list[str]:
-    """The quick suite's job: 4 gloo ranks of :mod:`ranklens.drill.workload` (no ranklens code)."""
+def quick_command(steps: int = 40, ranks: int = 4, *, restarts: int = 0) -> list[str]:
+    """The built-in job: 4 gloo ranks of :mod:`ranklens.drill.workload` (no ranklens code); with
+    ``restarts``, torch elastic may restart the worker group that often and the job checkpoints in
+    the drill's directory every 5 steps (a restarted attempt resumes from it)."""
+    elastic = ["--max-restarts", str(restarts)] if restarts else []
+    ckpt = ["--checkpoint", "{drill_dir}/checkpoint.pt"] if restarts else []
     return [
         sys.executable,
         "-m",
@@ -41,10 +47,12 @@ def quick_command(steps: int = 40, ranks: int = 4) -> list[str]:
         "--standalone",
         "--nproc-per-node",
         str(ranks),
+        *elastic,
         "-m",
         "ranklens.drill.workload",
         "--steps",
         str(steps),
+        *ckpt,
     ]
 
 
@@ -62,6 +70,7 @@ class Suite:
     command: tuple[str, ...] = ()
     timeout_s: float = 600.0
     extra: dict[str, Any] = field(default_factory=dict)
+    needs_recovery: bool = False  # measures fault -> training resumed: needs --recover POLICY
 
 
 def _quick() -> Suite:
@@ -88,8 +97,24 @@ def _quick() -> Suite:
     )
 
 
+def _recovery() -> Suite:
+    def d(name: str, spec: str) -> Drill:
+        return Drill(name, (parse_drill_fault(spec),), tuple(quick_command(40, restarts=2)))
+
+    return Suite(
+        "recovery",
+        (
+            d("hang, restarted in place", "hang:3@12"),
+            d("desync, restarted in place", "desync:2@12"),
+            d("crash, restarted by torch elastic", "crash:1:3@12"),
+        ),
+        needs_recovery=True,
+    )
+
+
 QUICK = _quick()
-_BUILTIN = {"quick": QUICK}
+RECOVERY = _recovery()
+_BUILTIN = {"quick": QUICK, "recovery": RECOVERY}
 
 
 def load_suite(name_or_path: str) -> Suite:

@@ -11,6 +11,7 @@ ranks on two cores from measuring the host instead of the job.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -19,13 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ranklens.drill.workload")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--compute-ms", type=float, default=60.0, help="device time of forward + backward per step")
+    p.add_argument("--checkpoint", default="", help="checkpoint file: saved every 5 steps by rank 0, resumed from")
     args = p.parse_args(argv)
 
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader, Subset, TensorDataset
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -48,12 +50,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(32, 128), nn.ReLU(), Device(), nn.Linear(128, 4)), bucket_cap_mb=0.01)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):  # a restarted attempt resumes
+        state = torch.load(args.checkpoint, weights_only=False)
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = int(state["step"])
+        if rank == 0:
+            print(f"resumed from step {start}", flush=True)
     gen = torch.Generator().manual_seed(rank)
     data = TensorDataset(
         torch.randn(args.steps * 16, 32, generator=gen), torch.randn(args.steps * 16, 4, generator=gen)
     )
-    loader = DataLoader(data, batch_size=16)
-    for step, (x, y) in enumerate(loader):
+    loader = DataLoader(Subset(data, range(start * 16, args.steps * 16)), batch_size=16)
+    for step, (x, y) in enumerate(loader, start):
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -62,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_reduce(total)
         if rank == 0:
             print(f"step {step + 1}/{args.steps} loss {total.item() / dist.get_world_size():.4f}", flush=True)
+            if args.checkpoint and (step + 1) % 5 == 0:
+                tmp = args.checkpoint + ".tmp"
+                torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
+                os.replace(tmp, args.checkpoint)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
+from ranklens.drill.suites import quick_command
 from ranklens.store import open_store
 from tests._jobs import ranklens
 
@@ -53,3 +55,21 @@ def test_a_missed_fault_fails_the_drill(tmp_path):
     assert r.returncode == 9, r.stdout + r.stderr
     assert "FAIL" in r.stdout and "never took effect" in r.stdout
     assert f"next: ranklens analyze --store {url} --job drill-" in r.stdout
+
+
+def test_with_recovery_a_crash_ends_in_training_resumed(tmp_path):
+    """`--recover` with the shipped torchrun policy: the crash is found, torch elastic restarts the
+    group (the executor has nothing left to end), the job resumes from its checkpoint, exit 0."""
+    url = f"embedded://{tmp_path / 'store'}"
+    policy = str(Path(__file__).resolve().parents[2] / "deploy" / "policies" / "torchrun-restart.toml")
+    cmd = quick_command(30, restarts=2)
+    r = ranklens(
+        "drill", "--store", url, "--recover", policy, "--outbox", str(tmp_path / "outbox"),
+        "--fault", "crash:1:3@10", "--json", "--", *cmd, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    d = json.loads(r.stdout.splitlines()[0])
+    (f,) = d["faults"]
+    assert d["passed"] and d["recovering"] and d["exit_code"] == 0
+    assert f["ok"] and f["resumed_s"] is not None and f["resumed_s"] > f["time_to_detect_s"]
+    print("drill --recover:", json.dumps(f), file=sys.stderr)

@@ -158,7 +158,8 @@ def test_suite_files(tmp_path):
             ["--fault", "hang:5@3", "--", "torchrun", "--nproc-per-node", "2", "t.py"],
             "rank 5 is not a rank of this 2-rank job",
         ),
-        (["--suite", "nosuch"], "no built-in suite of that name (quick)"),
+        (["--suite", "nosuch"], "no built-in suite of that name (quick, recovery)"),
+        (["--suite", "recovery"], "--suite recovery measures fault -> training resumed: give --recover POLICY"),
         ([], "give --fault SPEC"),
     ],
 )

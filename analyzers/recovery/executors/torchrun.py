@@ -1,0 +1,167 @@
+"""In-place restart through torch elastic: the ``torchrun`` executor.
+
+torchrun's elastic agent restarts its whole worker group when one worker fails, as long as the job
+has restarts left (``--max-restarts``); the launcher, its rendezvous and ranklens' spool stay, the
+workers start again as the next attempt (``TORCHELASTIC_RESTART_COUNT``, which the tracer records as
+``attempt``) and resume from the script's last checkpoint. So ``restart_rank`` and ``restart_job``
+both come down to ending one worker of the group — for a hang, the stuck rank itself:
+
+1. the rank's process comes from its newest heartbeat (``pid``, ``host``); a process on another
+   node is ``skipped`` (the executor acts on the node it runs on: run it where the launcher runs);
+   a pid whose environment is not this job's (reused) is never signalled;
+2. before the restart, the rank's Python stacks: the tracer writes them with every flight-recorder
+   dump (``<spool>/<job>/<attempt>/stacks/stacks_rank_<r>.json``); the executor waits up to
+   ``stacks_wait_s`` for that file and puts the innermost frames of its main thread in the result
+   (the engine attaches them to the finding), so the cause survives the restart;
+3. ``signal`` (SIGKILL by default: a rank stuck in C++ may never handle a SIGTERM) to that process.
+
+A rank already gone is ``skipped`` (torch elastic handles a dead worker by itself). ``replace_node``
+is ``skipped``: torchrun cannot move a rank to another node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from ranklens.analyzers.recovery.api import Decision, Level
+from ranklens.analyzers.recovery.executors.api import ExecContext, ExecResult, ExecutorSpec
+from ranklens.store.api import sql_escape as _esc
+
+__all__ = ["TorchrunExecutor", "innermost_frames"]
+
+_SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
+
+
+def _short(host: str) -> str:
+    return host.split(".", 1)[0]
+
+
+def innermost_frames(stacks_file: Path, *, frames: int = 5) -> list[str]:
+    """``file:line function: code`` of the main thread's innermost frames in a tracer stacks dump
+    (innermost first); [] when the file cannot be read."""
+    try:
+        doc = json.loads(stacks_file.read_text())
+    except (OSError, ValueError):
+        return []
+    threads = doc.get("threads") if isinstance(doc, dict) else None
+    if not isinstance(threads, list):
+        return []
+    main = next((t for t in threads if isinstance(t, dict) and t.get("main")), None) or next(
+        (t for t in threads if isinstance(t, dict) and "MainThread" in str(t.get("name", ""))), None
+    )
+    if main is None:
+        return []
+    out = []
+    for fr in reversed(main.get("frames") or []):
+        if isinstance(fr, dict):
+            func = fr.get("func") or fr.get("function") or "?"
+            out.append(f"{fr.get('file', '?')}:{fr.get('line', '?')} {func}: {fr.get('code', '')}")
+        if len(out) >= frames:
+            break
+    return out
+
+
+class TorchrunExecutor:
+    def __init__(self, spec: ExecutorSpec) -> None:
+        self.spec = spec
+        name = str(spec.options.get("signal", "SIGKILL")).upper()
+        self.signal = _SIGNALS.get(name, signal.SIGKILL)
+        self.signal_name = name if name in _SIGNALS else "SIGKILL"
+        self.stacks_wait_s = float(spec.options.get("stacks_wait_s", 10.0))
+
+    def _ranks(self, d: Decision) -> list[int] | str:
+        if d.level is Level.REPLACE_NODE:
+            return (
+                "torchrun restarts workers in place and cannot move a rank to another node "
+                "(use a Slurm or Kubernetes hook)"
+            )
+        if d.target.startswith("rank:"):
+            return [int(r) for r in d.target[5:].split(",") if r.strip().lstrip("-").isdigit()]
+        named = sorted({s.rank for s in d.finding.suspects if s.rank >= 0})
+        return named[:1]  # restart_job: ending one worker restarts the whole group
+
+    def describe(self, d: Decision) -> str:
+        ranks = self._ranks(d)
+        if isinstance(ranks, str):
+            return ranks
+        who = ", ".join(map(str, ranks)) if ranks else "a rank"
+        return f"{self.signal_name} to rank {who} of job {d.finding.job_id}: torch elastic restarts the worker group"
+
+    def execute(self, d: Decision, ctx: ExecContext) -> ExecResult:
+        from ranklens.collector.nvml import read_proc_environ
+        from ranklens.config import ENV_JOB_ID
+
+        ranks = self._ranks(d)
+        if isinstance(ranks, str):
+            return ExecResult("skipped", ranks)
+        f = d.finding
+        if ctx.store is None:
+            return ExecResult("failed", "no store: the ranks' processes are found from their heartbeats")
+        if not ranks:  # a job-level finding without suspects: any rank of the attempt
+            ranks = [-1]
+        rows = ctx.store.query(
+            "SELECT rank, argMax(pid, ts_ns) AS pid, argMax(host, ts_ns) AS host FROM heartbeats "
+            f"WHERE job_id = '{_esc(f.job_id)}' AND attempt = {int(f.attempt)} GROUP BY rank ORDER BY rank"
+        ).to_pylist()
+        by_rank = {int(r["rank"]): r for r in rows}
+        if ranks == [-1]:
+            ranks = sorted(by_rank)[:1]
+        done: list[dict[str, Any]] = []
+        notes: list[str] = []
+        for rank in ranks:
+            hb = by_rank.get(rank)
+            if hb is None:
+                notes.append(f"rank {rank}: no heartbeat of attempt {f.attempt}")
+                continue
+            pid, host = int(hb["pid"]), str(hb["host"])
+            if _short(host) != _short(ctx.host):
+                notes.append(f"rank {rank} runs on {host}, not here ({ctx.host})")
+                continue
+            env = read_proc_environ(pid)
+            if env is None:
+                notes.append(f"rank {rank} (pid {pid}) has already exited")
+                continue
+            if env.get(ENV_JOB_ID) != f.job_id:
+                notes.append(f"pid {pid} is no longer rank {rank} of job {f.job_id}: left alone")
+                continue
+            stacks = self._stacks(ctx, f.job_id, f.attempt, rank)
+            try:
+                os.kill(pid, self.signal)
+            except ProcessLookupError:
+                notes.append(f"rank {rank} (pid {pid}) exited meanwhile")
+                continue
+            except PermissionError as e:
+                return ExecResult("failed", f"cannot signal rank {rank} (pid {pid}): {e}")
+            done.append({"rank": rank, "pid": pid, "host": host, "signal": self.signal_name, **stacks})
+        if not done:
+            return ExecResult("skipped", "; ".join(notes) or "no rank to restart")
+        detail = (
+            f"{self.signal_name} to "
+            + ", ".join(f"rank {x['rank']} (pid {x['pid']} on {x['host']})" for x in done)
+            + f": torch elastic restarts the worker group as attempt {f.attempt + 1} if it has restarts left"
+        )
+        for x in done:
+            if x.get("innermost"):
+                detail += f"; rank {x['rank']}'s stack before it: {x['innermost'][0]} (all of it: {x['stacks']})"
+            elif "stacks" in x:
+                detail += f"; no stack dump of rank {x['rank']} within {self.stacks_wait_s:g} s"
+        if notes:
+            detail += "; " + "; ".join(notes)
+        return ExecResult("acknowledged", detail, {"signalled": done})
+
+    def _stacks(self, ctx: ExecContext, job_id: str, attempt: int, rank: int) -> dict[str, Any]:
+        if not ctx.spool_dir:
+            return {}
+        path = Path(ctx.spool_dir, job_id, str(attempt), "stacks", f"stacks_rank_{rank}.json")
+        deadline = time.monotonic() + self.stacks_wait_s
+        while not path.exists() and time.monotonic() < deadline:
+            ctx.sleep(0.2)
+        if not path.exists():
+            return {"stacks": None}
+        ctx.sleep(0.2)  # written with a rename: complete once it exists; a moment for a late flush
+        return {"stacks": str(path), "innermost": innermost_frames(path)}

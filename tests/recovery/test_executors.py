@@ -1,0 +1,167 @@
+"""Executors (analyzers/recovery/executors): the policy's [[executor]] tables, the torchrun executor on
+real processes, and the engine writing each result as an ``actions`` row — never an exception."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ranklens.analyzers.recovery import RecoveryEngine
+from ranklens.analyzers.recovery.api import Decision, Level, PolicyError
+from ranklens.analyzers.recovery.executors import ExecContext, ExecutorSpec, build_executor
+from ranklens.analyzers.recovery.policy import parse_policy
+from ranklens.config import ENV_JOB_ID, node_name
+from tests.recovery_helpers import finding
+
+EXECUTOR = {"name": "elastic", "kind": "torchrun", "kinds": ["hang"], "stacks_wait_s": 0}
+
+
+def _policy(dry_run: bool = False, **executor: object):
+    return parse_policy(
+        {
+            "dry_run": dry_run,
+            "rule": [{"name": "hangs", "kinds": ["hang"], "level": "restart_rank"}],
+            "executor": [{**EXECUTOR, **executor}],
+        }
+    )
+
+
+def test_executor_tables_are_checked_by_name_and_key():
+    p = _policy(signal="sigterm")
+    (spec,) = p.executors
+    assert (spec.name, spec.kind, spec.options["signal"]) == ("elastic", "torchrun", "SIGTERM")
+    assert spec.accepts(Level.RESTART_RANK, "hang") and not spec.accepts(Level.RESTART_RANK, "straggler")
+    assert not spec.accepts(Level.NOTIFY, "hang")
+    for bad, says in [
+        ({"kind": "slurm"}, "the Slurm executor (drain, requeue) is not built yet"),
+        ({"kind": "teleport"}, "'teleport' is not an executor kind; one of ['torchrun']"),
+        ({"colour": "red"}, "unknown key(s) ['colour']"),
+        ({"signal": "SIGHUP"}, "'SIGHUP': one of 'SIGKILL', 'SIGTERM', 'SIGINT'"),
+        ({"levels": ["reboot"]}, "'reboot' is not a recovery level"),
+    ]:
+        with pytest.raises(PolicyError) as e:
+            _policy(**bad)
+        assert says in str(e.value) and "executor[0]" in str(e.value)
+
+
+def _rank_process(job_id: str, rank: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, ENV_JOB_ID: job_id, "RANK": str(rank)}
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env)
+
+
+def _beat(store, job_id: str, rank: int, pid: int, host: str | None = None) -> None:
+    store.write(
+        "heartbeats",
+        [
+            {
+                "job_id": job_id,
+                "attempt": 0,
+                "rank": rank,
+                "ts_ns": time.time_ns(),
+                "pid": pid,
+                "host": host or node_name(),
+            }
+        ],
+    )
+
+
+def _decision(f, level: Level = Level.RESTART_RANK, target: str | None = None, dry_run: bool = False) -> Decision:
+    return Decision(f, level, target or f"rank:{f.suspects[0].rank}", "hangs", "test", dry_run, "k", time.time_ns())
+
+
+def _wait_gone(p: subprocess.Popen[bytes]) -> int:
+    return p.wait(timeout=30)
+
+
+def test_torchrun_executor_ends_the_ranks_process_and_only_it(embedded_store, tmp_path):
+    job = "exec-job"
+    mine, other = _rank_process(job, 2), _rank_process("another-job", 2)
+    try:
+        _beat(embedded_store, job, 2, mine.pid)
+        _beat(embedded_store, job, 3, other.pid)  # a pid that is not this job's rank 3 any more
+        stacks = tmp_path / job / "0" / "stacks"
+        stacks.mkdir(parents=True)
+        frames = [{"file": "train.py", "line": 7, "func": "main", "code": "time.sleep(9)"}]
+        (stacks / "stacks_rank_2.json").write_text(json.dumps({"threads": [{"main": True, "frames": frames}]}))
+        ex = build_executor(ExecutorSpec("elastic", "torchrun", options={"stacks_wait_s": 0}))
+        ctx = ExecContext(store=embedded_store, host=node_name(), spool_dir=str(tmp_path))
+        f = finding(job_id=job, kind="hang", rank=2)
+        res = ex.execute(_decision(f), ctx)
+        assert res.outcome == "acknowledged", res.detail
+        assert _wait_gone(mine) == -9
+        assert "SIGKILL to rank 2" in res.detail and "train.py:7 main: time.sleep(9)" in res.detail
+        assert res.data["signalled"][0]["innermost"] == ["train.py:7 main: time.sleep(9)"]
+        res = ex.execute(_decision(finding(job_id=job, kind="hang", rank=3)), ctx)
+        assert res.outcome == "skipped" and "is no longer rank 3 of job exec-job: left alone" in res.detail
+        assert other.poll() is None
+        res = ex.execute(_decision(f), ctx)  # rank 2 is gone now
+        assert res.outcome == "skipped" and "has already exited" in res.detail
+        res = ex.execute(_decision(f, Level.REPLACE_NODE, "node:node1"), ctx)
+        assert res.outcome == "skipped" and "cannot move a rank to another node" in res.detail
+    finally:
+        for p in (mine, other):
+            p.kill()
+            p.wait()
+
+
+def test_a_rank_on_another_node_is_not_signalled(embedded_store):
+    _beat(embedded_store, "remote-job", 1, 12345, host="some-other-node")
+    ex = build_executor(ExecutorSpec("elastic", "torchrun"))
+    res = ex.execute(_decision(finding(job_id="remote-job", kind="hang", rank=1)), ExecContext(embedded_store, "here"))
+    assert res.outcome == "skipped" and "runs on some-other-node, not here (here)" in res.detail
+
+
+def _actions(store, job: str):
+    return store.query(f"SELECT target, outcome, detail FROM actions WHERE job_id = '{job}' ORDER BY ts_ns").to_pylist()
+
+
+def test_the_engine_writes_each_executor_result_as_an_actions_row(embedded_store, tmp_path):
+    job = "engine-job"
+    p = _rank_process(job, 2)
+    try:
+        _beat(embedded_store, job, 2, p.pid)
+        ctx = ExecContext(store=embedded_store, host=node_name(), spool_dir=str(tmp_path))
+        with RecoveryEngine(_policy(), embedded_store, tmp_path / "outbox", context=ctx) as engine:
+            report = engine.process([finding(job_id=job, kind="hang", rank=2)])
+        assert [(x, r.outcome) for x, _f, r in report.executed] == [("elastic", "acknowledged")]
+        assert _wait_gone(p) == -9
+    finally:
+        p.kill()
+        p.wait()
+    rows = _actions(embedded_store, job)
+    assert [(r["target"], r["outcome"]) for r in rows] == [("rank:2", "decided"), ("executor:elastic", "acknowledged")]
+
+
+def test_dry_run_says_what_it_would_do_and_does_nothing(embedded_store, tmp_path):
+    job = "dry-job"
+    p = _rank_process(job, 2)
+    try:
+        _beat(embedded_store, job, 2, p.pid)
+        with RecoveryEngine(_policy(dry_run=True), embedded_store, tmp_path / "outbox") as engine:
+            engine.process([finding(job_id=job, kind="hang", rank=2)])
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
+    rows = _actions(embedded_store, job)
+    assert [(r["target"], r["outcome"]) for r in rows] == [("rank:2", "dry_run"), ("executor:elastic", "skipped")]
+    assert "dry run: would send SIGKILL to rank 2" in rows[1]["detail"]
+
+
+def test_an_executor_that_raises_is_a_failed_row(embedded_store, tmp_path, monkeypatch):
+    from ranklens.analyzers.recovery.executors import torchrun
+
+    def boom(self, d, ctx):
+        raise OSError("the launcher is gone")
+
+    monkeypatch.setattr(torchrun.TorchrunExecutor, "execute", boom)
+    with RecoveryEngine(_policy(), embedded_store, tmp_path / "outbox") as engine:
+        report = engine.process([finding(job_id="boom-job", kind="hang", rank=1)])
+    assert report.executed[0][2].outcome == "failed"
+    rows = _actions(embedded_store, "boom-job")
+    assert rows[-1]["outcome"] == "failed" and "OSError: the launcher is gone" in rows[-1]["detail"]
