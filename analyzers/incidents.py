@@ -41,9 +41,20 @@ def find_incidents(store: Store, job_id: str, attempt: int = 0) -> list[Finding]
     """``gpu_error`` and ``log_error`` findings of one job attempt, oldest first."""
     j = _esc(job_id)
     out: list[Finding] = []
+    # gpu_events carry no attempt: a later attempt's are those from its first heartbeat to the next
+    # attempt's (what came before belongs to the attempt it ended; the first attempt takes all before)
+    starts = {
+        int(r["attempt"]): int(r["t"])
+        for r in store.query(
+            f"SELECT attempt, min(ts_ns) AS t FROM heartbeats WHERE job_id = '{j}' GROUP BY attempt"
+        ).to_pylist()
+    }
+    lo = starts[attempt] if attempt in starts and attempt > min(starts) else 0
+    later = [t for a, t in starts.items() if a > attempt]
+    hi = f" AND ts_ns < {min(later)}" if later else ""
     gpu = store.query(
         "SELECT host, gpu_index, rank, kind, code, min(ts_ns) AS first_ns, max(ts_ns) AS last_ns, count() AS n, "
-        f"argMin(message, ts_ns) AS message FROM gpu_events WHERE job_id = '{j}' "
+        f"argMin(message, ts_ns) AS message FROM gpu_events WHERE job_id = '{j}' AND ts_ns >= {lo}{hi} "
         "GROUP BY host, gpu_index, rank, kind, code ORDER BY first_ns LIMIT 1000"
     ).to_pylist()
     for r in gpu:

@@ -16,7 +16,7 @@ import click
 
 from ranklens import __version__
 from ranklens._cli_common import EPILOG, agent_options, errors, password_note, policy_options, store_flag, store_option
-from ranklens.config import DEFAULT_SPOOL_DIR, ENV_ALERTS_TOKEN, ENV_CHECKPOINT_PATH, ENV_SPOOL
+from ranklens.config import DEFAULT_SPOOL_DIR, ENV_ALERTS_TOKEN, ENV_CHECKPOINT_PATH, ENV_OUTBOX, ENV_SPOOL
 from ranklens.errors import NotFound
 from ranklens.errors import StoreUnavailable as StoreUnavailableError
 
@@ -939,8 +939,9 @@ def _preflight_before_run(store: Any, checks_spec: str, job_id: str) -> None:
 @click.option(
     "--outbox",
     "outbox_dir",
+    envvar=ENV_OUTBOX,
     default=None,
-    help="With --recover: the durable webhook outbox directory (default: ~/.ranklens/outbox).",
+    help="With --recover: the durable webhook outbox directory (default: ~/.ranklens/outbox). Env: RANKLENS_OUTBOX.",
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @_errors
@@ -975,15 +976,22 @@ def run(
         _preflight_before_run(store, preflight_checks, job_id)
     supervise = None
     if recover_policy is not None:
-        supervise = _recovery_supervisor(recover_policy, store, no_collect, spool_dir, outbox_dir)
+        from ranklens.launch import resolve_job_id
+
+        job_id = resolve_job_id(job_id)  # the supervisor is made (policy, outbox checked) before the job starts
+        sup = _recovery_supervisor(recover_policy, store, no_collect, ship_later, spool_dir, outbox_dir, job_id)
+        supervise = lambda _job: sup.start()  # noqa: E731
     result = run_traced(
         command, store, spool_dir=spool_dir, job_id=job_id, log=lambda s: click.echo(s, err=True), supervise=supervise
     )
     if recover_policy is not None and store is not None:
         from ranklens.recover import recovery_times
 
-        for t in recovery_times(store, result.job_id):
-            click.echo(f"ranklens run: recovery: {t.line()}", err=True)
+        try:
+            for t in recovery_times(store, result.job_id):
+                click.echo(f"ranklens run: recovery: {t.line()}", err=True)
+        except Exception as e:  # the job's own exit code is what `run` exits with, whatever the store does
+            click.echo(f"ranklens run: warning: cannot measure the recovery times ({type(e).__name__}: {e})", err=True)
     if result.collector and result.store_error:
         ship_later = getattr(store, "url", None) or ship_later
         click.echo(
@@ -1009,16 +1017,31 @@ def run(
     sys.exit(result.returncode)
 
 
-def _recovery_supervisor(policy_file: str, store: Any, no_collect: bool, spool_dir: str, outbox_dir: str | None) -> Any:
-    """``ranklens run --recover``: the policy is checked before the command starts (exit 2)."""
+def _recovery_supervisor(
+    policy_file: str,
+    store: Any,
+    no_collect: bool,
+    ship_later: str | None,
+    spool_dir: str,
+    outbox_dir: str | None,
+    job_id: str,
+) -> Any:
+    """``ranklens run --recover``'s supervisor, made before the command starts: a bad policy or an
+    outbox that cannot be opened stops it there (exit 2)."""
     import os
 
     from ranklens.analyzers.recovery.policy import load_policy
     from ranklens.config import ENV_FR_STUCK_S
-    from ranklens.errors import ConfigError
+    from ranklens.errors import ConfigError, RanklensError
+    from ranklens.recover import RecoverySupervisor
 
-    if no_collect or store is None:
+    if no_collect:
         raise ConfigError("--recover analyzes the job live from the store: not with --no-collect")
+    if store is None:
+        raise ConfigError(
+            f"--recover analyzes the job live from the store, and the store {ship_later or ''} cannot be opened; "
+            "fix it (or pass --store URL) before running with --recover"
+        )
     policy = load_policy(policy_file)
     if not policy.executors:
         click.echo(
@@ -1029,18 +1052,17 @@ def _recovery_supervisor(policy_file: str, store: Any, no_collect: bool, spool_d
     os.environ.setdefault(ENV_FR_STUCK_S, "5")
     outbox = outbox_dir or os.path.join(os.path.expanduser("~"), ".ranklens", "outbox")
 
-    def start(job_id: str) -> Any:
-        from ranklens.recover import RecoverySupervisor
+    def say(m: str) -> None:
+        click.echo(f"ranklens run: {m}", err=True)
 
-        def say(m: str) -> None:
-            click.echo(f"ranklens run: {m}", err=True)
-
-        mode = "dry run: decisions are recorded, nothing is done" if policy.dry_run else "live"
-        names = ", ".join(x.name for x in policy.executors) or "none"
-        say(f"recovery: policy {policy_file} ({mode}), executors: {names}")
-        return RecoverySupervisor(store, job_id, policy, outbox_dir=outbox, spool_dir=spool_dir, log=say).start()
-
-    return start
+    try:
+        sup = RecoverySupervisor(store, job_id, policy, outbox_dir=outbox, spool_dir=spool_dir, log=say)
+    except (RanklensError, OSError) as e:
+        raise ConfigError(f"--recover: cannot open the recovery outbox {outbox}: {e}; pass --outbox DIR") from None
+    mode = "dry run: decisions are recorded, nothing is done" if policy.dry_run else "live"
+    names = ", ".join(x.name for x in policy.executors) or "none"
+    say(f"recovery: policy {policy_file} ({mode}), executors: {names}")
+    return sup
 
 
 def _open_for_run(store_url: str | None) -> tuple[Any, str | None]:

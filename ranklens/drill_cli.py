@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from ranklens._cli_common import EPILOG, errors, store_flag, store_option
+from ranklens.config import ENV_OUTBOX
 from ranklens.errors import ConfigError
 
 __all__ = ["drill_command"]
@@ -128,7 +129,13 @@ def suite_summary(results: list[Any]) -> dict[str, Any]:
     help="World size, to check fault ranks before the job starts "
     "(default: from torchrun's --nproc-per-node/--nnodes, else when the ranks start).",
 )
-@click.option("--timeout", "timeout_s", type=float, default=None, help="Seconds a drill may run (default 600).")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=None,
+    help="Seconds each drill may run (default: the suite file's timeout_s, else 600).",
+)
 @click.option(
     "--detect-timeout",
     "detect_timeout_s",
@@ -146,7 +153,13 @@ def suite_summary(results: list[Any]) -> dict[str, Any]:
     help="Act on the findings with this recovery policy (e.g. deploy/policies/torchrun-restart.toml): a "
     "hang, crash or desync must then end in training resumed, whose time is measured.",
 )
-@click.option("--outbox", "outbox_dir", default=None, help="With --recover: the webhook outbox directory.")
+@click.option(
+    "--outbox",
+    "outbox_dir",
+    envvar=ENV_OUTBOX,
+    default=None,
+    help="With --recover: the webhook outbox directory (default: ~/.ranklens/outbox). Env: RANKLENS_OUTBOX.",
+)
 @click.option("--show-output", is_flag=True, help="Echo the job's output (it always goes to the job log).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per drill, then the suite summary.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -174,6 +187,9 @@ def drill_command(
         raise ConfigError("give --fault SPEC (repeatable) or --suite quick|FILE; see ranklens drill --help")
     if world is not None and world < 1:
         raise ConfigError(f"--world {world}: must be >= 1")
+    for opt, v in (("--timeout", timeout_s), ("--detect-timeout", detect_timeout_s), ("--interval", interval)):
+        if v is not None and not v > 0:
+            raise ConfigError(f"{opt} {v:g}: must be a number of seconds > 0")
     cmd = tuple(command[1:] if command and command[0] == "--" else command)
     policy = None
     if recover_policy:
@@ -188,11 +204,11 @@ def drill_command(
                 "(e.g. deploy/policies/torchrun-restart.toml)"
             )
         drills = [Drill(d.name, d.faults, cmd or d.command) for d in s.drills]
-        suite_name, timeout = s.name, timeout_s or s.timeout_s
+        suite_name, timeout = s.name, timeout_s if timeout_s is not None else s.timeout_s
     else:
         parsed = tuple(parse_drill_fault(f) for f in faults)
         drills = [Drill("", parsed, cmd or tuple(quick_command()))]
-        suite_name, timeout = "", timeout_s or 600.0
+        suite_name, timeout = "", timeout_s if timeout_s is not None else 600.0
     if world is None and not cmd and (suite in ("quick", "recovery") or not suite):
         world = 4  # the built-in job
     if world is not None:

@@ -188,6 +188,7 @@ class LiveAnalysis:
         self.window_steps = window_steps
         self._analyze = analyze
         self.tracker = FindingTracker()
+        self._unacted: list[Finding] = []
         self._noted: set[tuple[str, str, tuple[int, ...]]] = set()
 
     def run_pass(self) -> Update:
@@ -206,8 +207,14 @@ class LiveAnalysis:
             save_findings(self.store, changed)
         if self.exporter is not None:
             self.exporter.update(list(self.tracker.open.values()))
-        if self.engine is not None and update.new + update.changed:
-            report = self.engine.process(update.new + update.changed)
+        if self.engine is not None and (self._unacted or update.new + update.changed):
+            # findings an earlier pass could not hand over (the store failed in the engine) go again:
+            # they are not new any more, and the engine's idempotency keys make a repeat a no-op
+            todo = {f.id: f for f in self._unacted}
+            todo.update({f.id: f for f in update.new + update.changed})
+            self._unacted = list(todo.values())
+            report = self.engine.process(self._unacted)
+            self._unacted = []
             for f in getattr(report, "annotated", None) or ():
                 self.tracker.annotate(f)  # later versions keep what the executor attached (stacks)
         return update

@@ -121,11 +121,18 @@ class RecoverySupervisor:
             self.log(f"recovery: [attempt {attempt}] new [{f.severity.value.upper()}] {f.kind}: {f.title}")
 
     def _run(self) -> None:
+        said = ""
         while not self._stop.wait(self.interval_s):
             try:
                 self.one_pass()
-            except Exception as e:  # the store hiccupped: the next pass tries again
-                self.log(f"recovery: analysis pass failed: {type(e).__name__}: {e}")
+                if said:
+                    self.log("recovery: analysis passes work again")
+                    said = ""
+            except Exception as e:  # the store hiccupped: the next pass tries again (said once)
+                msg = f"{type(e).__name__}: {e}"
+                if msg != said:
+                    self.log(f"recovery: analysis pass failed (retrying every {self.interval_s:g} s): {msg}")
+                    said = msg
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
@@ -234,7 +241,7 @@ def recovery_times(store: Store, job_id: str, *, record: bool = True) -> list[Re
         if f is None:
             continue
         action_ns = executed.get(str(a["idempotency_key"]), int(a["ts"]))
-        later = sorted((att, ts) for att, ts in first_step.items() if att > f.attempt and ts >= action_ns)
+        later = sorted((att, ts) for att, ts in first_step.items() if att > f.attempt)
         resumed = later[0] if later else None
         t = RecoveryTimes(
             finding_id=f.id,

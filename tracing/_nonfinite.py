@@ -70,7 +70,19 @@ class NonFiniteCheck:
             log.debug("ranklens: the non-finite gradient check is off", exc_info=True)
 
     def rows(self) -> list[dict[str, Any]]:
-        """``log_events`` rows for the completed checks that found non-finite values (the flush thread)."""
+        """``log_events`` rows for the completed checks that found non-finite values (the flush thread).
+        Never raises: a device that fails (a sticky CUDA error) turns the check off."""
+        try:
+            return self._rows()
+        except Exception:
+            self.off = True
+            with self._lock:
+                self._pending.clear()
+            self.tracer.count_drop("nonfinite:check_failed")
+            log.debug("ranklens: the non-finite gradient check failed and is off", exc_info=True)
+            return []
+
+    def _rows(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         while True:
             with self._lock:

@@ -180,8 +180,9 @@ class Tracer:
                 return
             if self.ledger is not None:  # the flight-recorder ring's new collectives (tracing/_ledger.py)
                 self.ledger.poll(self.clock(), force=self._stop.is_set())
+            nonfinite = self.nonfinite.rows()  # never raises (a failing device turns the check off)
             rows = self._take()
-            rows += [("log_events", r) for r in self.nonfinite.rows()]
+            rows += [("log_events", r) for r in nonfinite]
             if self.spans is not None:  # OpenTelemetry spans and metrics, made here and not on the training thread
                 self.spans.flushed(rows, self.count_drop)
             now = self.clock()

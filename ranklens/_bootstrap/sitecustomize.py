@@ -66,7 +66,8 @@ def _attempt_store(args, kwargs):
     ("Gloo connectFullMesh failed ... Connection refused") and the in-place restart never comes up.
     For attempts after the first, when the script leaves the store to torch (no ``store``, the
     ``env://`` init method), the process group is made on the agent's store under the prefix
-    ``/ranklens/attempt_<n>/``. ``RANKLENS_ELASTIC_STORE=0`` leaves it to torch."""
+    ``/ranklens/attempt_<n>/``. One node only (every rank sees the same restart count there);
+    ``RANKLENS_ELASTIC_STORE=0`` leaves it to torch."""
     env = os.environ
     if env.get("RANKLENS_ELASTIC_STORE", "1").lower() in ("0", "false", "no"):
         return
@@ -77,14 +78,20 @@ def _attempt_store(args, kwargs):
         return
     if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT") and env.get("RANK") and env.get("WORLD_SIZE")):
         return
+    if env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE"):
+        # several nodes: each agent counts its own restarts (a membership change restarts without
+        # counting), so their counts may differ and ranks with different prefixes would never meet
+        return
     import torch.distributed as dist
 
     timeout = kwargs.get("timeout") or dist.constants.default_pg_timeout
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
     kwargs["store"] = dist.PrefixStore(f"/ranklens/attempt_{attempt}/", store)
     kwargs.pop("init_method", None)
-    kwargs.setdefault("rank", int(env["RANK"]))
-    kwargs.setdefault("world_size", int(env["WORLD_SIZE"]))
+    if kwargs.get("rank", -1) is None or kwargs.get("rank", -1) < 0:
+        kwargs["rank"] = int(env["RANK"])
+    if kwargs.get("world_size", -1) is None or kwargs.get("world_size", -1) < 0:
+        kwargs["world_size"] = int(env["WORLD_SIZE"])
 
 
 class _Loader(importlib.abc.Loader):

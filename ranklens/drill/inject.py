@@ -108,6 +108,7 @@ class _Injector:
         self._fwd_step = -1
         self._applied_step: dict[tuple[int, str], int] = {}
         self._desync_armed = False
+        self._armed: set[int] = set()
         self._lock = threading.Lock()
         self._record(
             {
@@ -176,14 +177,17 @@ class _Injector:
         for i, f in self.mine:
             if f.kind in (DrillKind.SLOW_GPU, DrillKind.SLOW_DATA, DrillKind.NAN) or not self._due(f):
                 continue
+            if f.kind is DrillKind.DESYNC:
+                if not self._desync_armed and i not in self.started and i not in self._armed:
+                    self._armed.add(i)
+                    self._desync_armed = True
+                continue
             if not self._start(i, f):
                 continue
             if f.kind is DrillKind.LOG:
                 lines = log_lines(f.detail, self.rank, self.local_rank, os.getpid())
                 sys.stderr.write("\n".join(lines) + "\n")
                 sys.stderr.flush()
-            elif f.kind is DrillKind.DESYNC:
-                self._desync_armed = True
             elif f.kind is DrillKind.CRASH:
                 sys.stderr.flush()
                 if f.unit == "kill":
@@ -298,6 +302,9 @@ def after_init() -> None:
             def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
                 if inj._desync_armed:
                     inj._desync_armed = False
+                    for i, f in inj.mine:
+                        if f.kind is DrillKind.DESYNC and i in inj._armed:
+                            inj._start(i, f)
                     group = kwargs.get("group") or (args[1] if len(args) > 1 else None)
                     src = dist.get_global_rank(group, 0) if group is not None else 0
                     return dist.broadcast(tensor, src=src, group=group, async_op=bool(kwargs.get("async_op")))

@@ -174,6 +174,9 @@ class _FakeGpus:
                     self.nvml.inject_xid(int(owner.get("local_rank", 0)), int(f.severity))
                     self.raised.add(i)
 
+    def close(self) -> None:
+        self.sampler.close()
+
     def sample(self, store: Store) -> int:
         r = self.sampler.sample()
         n = 0
@@ -279,9 +282,14 @@ def run_drill(
     gpus = _FakeGpus(max(world or 1, 8), job_id) if any(f.kind is DrillKind.GPU for f in faults) else None
     log(f"drill {drill_id}: {', '.join(f.spec for f in faults)}; job log {out.path}")
 
+    # a policy that does nothing (dry run, no executor) cannot bring a stopped job back: the drill
+    # then ends a hang, crash or desync job once it is detected, as without a policy
+    acting = policy is not None and not policy.dry_run and bool(policy.executors)
+    if policy is not None and not acting:
+        log("drill: the recovery policy is a dry run or has no [[executor]]: decisions are recorded, nothing is done")
+    sup = RecoverySupervisor(store, job_id, policy, outbox_dir=outbox_dir, spool_dir=str(spool), log=log)
     shipper = Shipper(spool, store)
     loop = shipper.start(interval_s=0.5)
-    sup = RecoverySupervisor(store, job_id, policy, outbox_dir=outbox_dir, spool_dir=str(spool), log=log)
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -289,6 +297,9 @@ def run_drill(
         )
     except OSError as e:
         loop.close(timeout_s=0)
+        sup.stop()
+        if gpus is not None:
+            gpus.close()
         raise ConfigError(f"cannot start {command[0]!r}: {e.strerror}") from None
     assert proc.stdout is not None
     out.pump(proc.stdout)
@@ -296,7 +307,9 @@ def run_drill(
     world_checked = world is not None
 
     def one_pass() -> None:
-        rows = [ev.to_row(job_id=job_id, attempt=0, host=host) for ev in out.take()]
+        # the job's output belongs to the attempt running now (torch elastic restarts the group)
+        attempt = sup.attempt or 0
+        rows = [ev.to_row(job_id=job_id, attempt=attempt, host=host) for ev in out.take()]
         if rows:
             store.write("log_events", rows)
         ready, onsets = _read_truth(truth)
@@ -311,13 +324,17 @@ def run_drill(
             for f, first in sup.found.values()
         ]
 
+    said = ""
     try:
         while proc.poll() is None:
             time.sleep(interval_s)
             try:
                 one_pass()
-            except Exception as e:  # the store hiccupped: the next pass tries again
-                log(f"drill: analysis pass failed: {type(e).__name__}: {e}")
+                said = ""
+            except Exception as e:  # the store hiccupped: the next pass tries again (said once)
+                if type(e).__name__ != said:
+                    log(f"drill: analysis pass failed (retrying): {type(e).__name__}: {e}")
+                    said = type(e).__name__
                 continue
             ready, onsets = _read_truth(truth)
             if not world_checked and ready:
@@ -341,13 +358,18 @@ def run_drill(
                     if not interim[i].detected and time.time_ns() - onsets[i].ts_ns < detect_timeout_s * 1e9
                 ]
                 missed = [i for i, f in fatal if not interim[i].detected and i not in pending]
-                if policy is None and not pending:
+                if not acting and not pending:
                     break  # every fatal fault seen (or out of time): the job will not recover by itself
-                if policy is not None and missed:
+                if acting and missed:
                     break  # recovering, but a fatal fault went unseen: nothing will restart the job
         if proc.poll() is None:
             stopped = True
             _stop(proc)
+    except BaseException:
+        sup.stop()
+        if gpus is not None:
+            gpus.close()
+        raise
     finally:
         if proc.poll() is None:
             _stop(proc)
@@ -355,16 +377,19 @@ def run_drill(
         out.close()
     try:
         one_pass()  # what the ranks and the log said last
-        rows = [ev.to_row(job_id=job_id, attempt=0, host=host) for ev in out.take(eof=True)]
+        rows = [ev.to_row(job_id=job_id, attempt=sup.attempt or 0, host=host) for ev in out.take(eof=True)]
         if rows:
             store.write("log_events", rows)
             one_pass()
     except Exception as e:
         log(f"drill: final analysis pass failed: {type(e).__name__}: {e}")
-    sup.stop()
+    finally:
+        sup.stop()
+        if gpus is not None:
+            gpus.close()
     ready, onsets = _read_truth(truth)
     scores, false = score(faults, onsets, seen())
-    if policy is not None:
+    if acting:
         times = {t.finding_id: t for t in recovery_times(store, job_id)}
         for sc in scores:
             t = times.get(sc.finding.id) if sc.finding else None
@@ -400,7 +425,7 @@ def run_drill(
         log_path=str(out.path),
         findings_seen=len(sup.found),
         rows=dict(shipper.totals),
-        recovering=policy is not None,
+        recovering=acting,
     )
     if save:
         save_drill(store, result)

@@ -6,13 +6,14 @@ them (:class:`Seen`), so the rules are tested without a job:
 
 - a fault is **detected** by the first finding, seen no earlier than ``EARLY_S`` before its onset,
   whose kind is one of those that can report it (:data:`DETECTS`) and whose suspects include the
-  fault's rank; time to detect is from the onset to the live pass that first showed it;
+  fault's rank; failing that, by such a finding that names another rank (the culprit is then
+  wrong); time to detect is from the onset to the live pass that first showed it;
 - the **kind is right** when that finding's kind is the fault's own (:data:`KIND`; for a log fault
   also its log class, for a GPU fault its XID); the **culprit is right** when it names the rank;
 - a finding is **explained** when it detected a fault, names a fault's rank with a kind that can
-  report it, or appeared after a fatal fault (hang, crash, desync) began — the peers' errors and
-  timeouts that follow a dead rank are collateral, not alarms — or is the job's own ``nan_loss`` log
-  line after a NaN fault. Every other finding is **false**.
+  report it (seen after the fault's onset), or itself began after a fatal fault (hang, crash,
+  desync) did — the peers' errors and timeouts that follow a dead rank are collateral, not alarms —
+  or is the job's own ``nan_loss`` log line after a NaN fault. Every other finding is **false**.
 """
 
 from __future__ import annotations
@@ -148,36 +149,57 @@ def score(faults: list[DrillFault], onsets: dict[int, Onset], seen: list[Seen]) 
     """Score each fault (``onsets[i]``: the ground truth of fault ``i``) against the findings seen;
     returns the scores and the false findings."""
     seen = sorted(seen, key=lambda s: (s.seen_ns, s.id))
-    scores: list[FaultScore] = []
+    scores = [FaultScore(f, onsets.get(i)) for i, f in enumerate(faults)]
     used: set[str] = set()
-    for i, f in enumerate(faults):
-        sc = FaultScore(f, onsets.get(i))
-        scores.append(sc)
-        if sc.onset is None:
-            sc.note = "never took effect (the job did not reach its onset, or has no such phase)"
-            continue
-        early = sc.onset.ts_ns - int(EARLY_S * 1e9)
-        cands = [s for s in seen if s.kind in DETECTS[f.kind] and f.rank in s.ranks and s.seen_ns >= early]
-        if not cands:
-            sc.note = "not detected"
-            continue
+
+    def pick(sc: FaultScore, cands: list[Seen]) -> Seen:
         # the right kind wins among findings of the same pass; otherwise the first one seen
         first_ns = cands[0].seen_ns
-        best = min(cands, key=lambda s: (s.seen_ns > first_ns, not _right_kind(f, s), s.seen_ns))
-        sc.finding, sc.ttd_s = best, max(0.0, (best.seen_ns - sc.onset.ts_ns) / 1e9)
-        sc.kind_ok, sc.culprit_ok = _right_kind(f, best), True
-        used.add(best.id)
-        if not sc.kind_ok:
-            sc.note = f"detected as {_found(best)}, not {_expected(f)}"
+        return min(cands, key=lambda s: (s.seen_ns > first_ns, not _right_kind(sc.fault, s), s.seen_ns))
+
+    def window(sc: FaultScore) -> list[Seen]:
+        assert sc.onset is not None
+        early = sc.onset.ts_ns - int(EARLY_S * 1e9)
+        return [s for s in seen if s.kind in DETECTS[sc.fault.kind] and s.seen_ns >= early and s.id not in used]
+
+    # first every fault a finding names; then, for the rest, a finding of the right kind that names
+    # another rank (detected, wrong culprit)
+    for right_rank in (True, False):
+        for sc in scores:
+            if sc.onset is None or sc.finding is not None:
+                continue
+            cands = [s for s in window(sc) if (sc.fault.rank in s.ranks) == right_rank]
+            if not cands:
+                continue
+            best = pick(sc, cands)
+            sc.finding, sc.ttd_s = best, max(0.0, (best.seen_ns - sc.onset.ts_ns) / 1e9)
+            sc.kind_ok, sc.culprit_ok = _right_kind(sc.fault, best), right_rank
+            used.add(best.id)
+    for sc in scores:
+        f = sc.fault
+        if sc.onset is None:
+            sc.note = "never took effect (the job did not reach its onset, or has no such phase)"
+        elif sc.finding is None:
+            sc.note = "not detected"
+        elif not sc.culprit_ok:
+            sc.note = f"detected, but it names rank(s) {', '.join(map(str, sc.finding.ranks))}, not {f.rank}"
+        elif not sc.kind_ok:
+            sc.note = f"detected as {_found(sc.finding)}, not {_expected(f)}"
     fatal_from = min((sc.onset.ts_ns for sc in scores if sc.onset and sc.fault.kind in FATAL), default=None)
     false: list[Seen] = []
     for s in seen:
         if s.id in used:
             continue
-        if any(sc.onset and sc.fault.rank in s.ranks and s.kind in DETECTS[sc.fault.kind] for sc in scores):
+        if any(
+            sc.onset
+            and sc.fault.rank in s.ranks
+            and s.kind in DETECTS[sc.fault.kind]
+            and s.seen_ns >= sc.onset.ts_ns - int(EARLY_S * 1e9)
+            for sc in scores
+        ):
             continue  # the same fault seen again (another finding of the same kind on its rank)
-        if fatal_from is not None and max(s.seen_ns, s.first_ns) >= fatal_from - int(EARLY_S * 1e9):
-            continue  # collateral of a dead or stuck rank
+        if fatal_from is not None and (s.first_ns or s.seen_ns) >= fatal_from - int(EARLY_S * 1e9):
+            continue  # collateral of a dead or stuck rank (it began after the fault did)
         if s.kind == "log_error" and any(
             sc.onset
             and sc.fault.kind is DrillKind.NAN

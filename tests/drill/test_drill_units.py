@@ -161,6 +161,8 @@ def test_suite_files(tmp_path):
         (["--suite", "nosuch"], "no built-in suite of that name (quick, recovery)"),
         (["--suite", "recovery"], "--suite recovery measures fault -> training resumed: give --recover POLICY"),
         ([], "give --fault SPEC"),
+        (["--fault", "hang:1@3", "--interval", "-1"], "--interval -1: must be a number of seconds > 0"),
+        (["--fault", "hang:1@3", "--timeout", "0"], "--timeout 0: must be a number of seconds > 0"),
     ],
 )
 def test_cli_bad_input_exits_2_before_any_job(tmp_path, args, says):
@@ -180,3 +182,30 @@ def test_a_nan_fault_explains_the_jobs_own_nan_loss_lines():
     scores, false = score(faults, onsets, seen)
     assert scores[0].ok
     assert [s.id for s in false] == ["o"]
+
+
+def test_a_finding_that_names_another_rank_is_a_detection_with_the_wrong_culprit():
+    faults = [parse_drill_fault("slow_gpu:2:1.5@8"), parse_drill_fault("log:0:nccl_error@4")]
+    onsets = {0: Onset(int(100e9), 8), 1: Onset(int(90e9), 4)}
+    seen = [
+        _seen("w", "straggler", [3], 104),  # the slowdown blamed on rank 3
+        _seen("l", "log_error", [0], 91, **{"class": "nccl_error"}),
+    ]
+    scores, false = score(faults, onsets, seen)
+    assert scores[0].detected and not scores[0].culprit_ok and not scores[0].ok
+    assert scores[0].note == "detected, but it names rank(s) 3, not 2"
+    assert scores[1].ok and false == []
+
+
+def test_a_finding_on_the_faults_rank_before_its_onset_is_false():
+    scores, false = score(
+        [parse_drill_fault("slow_gpu:2:1.5@8")], {0: Onset(int(100e9), 8)}, [_seen("e", "straggler", [2], 20)]
+    )
+    assert not scores[0].detected and [s.id for s in false] == ["e"]
+
+
+def test_a_finding_that_began_before_a_crash_is_not_collateral():
+    faults = [parse_drill_fault("crash:1:3@6")]
+    early = Seen("s", "straggler", (0,), "rank 0 slow", int(52e9), int(30e9), {})  # began at 30 s, shown at 52 s
+    scores, false = score(faults, {0: Onset(int(50e9), 6)}, [early, _seen("c", "crash", [1], 51)])
+    assert scores[0].ok and [s.id for s in false] == ["s"]

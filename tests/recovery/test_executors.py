@@ -49,8 +49,8 @@ def test_executor_tables_are_checked_by_name_and_key():
         assert says in str(e.value) and "executor[0]" in str(e.value)
 
 
-def _rank_process(job_id: str, rank: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, ENV_JOB_ID: job_id, "RANK": str(rank)}
+def _rank_process(job_id: str, rank: int, attempt: int = 0) -> subprocess.Popen[bytes]:
+    env = {**os.environ, ENV_JOB_ID: job_id, "RANK": str(rank), "TORCHELASTIC_RESTART_COUNT": str(attempt)}
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env)
 
 
@@ -80,14 +80,17 @@ def _wait_gone(p: subprocess.Popen[bytes]) -> int:
 
 def test_torchrun_executor_ends_the_ranks_process_and_only_it(embedded_store, tmp_path):
     job = "exec-job"
-    mine, other = _rank_process(job, 2), _rank_process("another-job", 2)
+    mine, other, later = _rank_process(job, 2), _rank_process("another-job", 2), _rank_process(job, 1, attempt=1)
+    procs = (mine, other, later)
     try:
         _beat(embedded_store, job, 2, mine.pid)
         _beat(embedded_store, job, 3, other.pid)  # a pid that is not this job's rank 3 any more
+        _beat(embedded_store, job, 1, later.pid)  # rank 1's pid, now a worker of the next attempt
         stacks = tmp_path / job / "0" / "stacks"
         stacks.mkdir(parents=True)
         frames = [{"file": "train.py", "line": 7, "func": "main", "code": "time.sleep(9)"}]
-        (stacks / "stacks_rank_2.json").write_text(json.dumps({"threads": [{"main": True, "frames": frames}]}))
+        doc = {"pid": mine.pid, "ts_ns": time.time_ns(), "threads": [{"main": True, "frames": frames}]}
+        (stacks / "stacks_rank_2.json").write_text(json.dumps(doc))
         ex = build_executor(ExecutorSpec("elastic", "torchrun", options={"stacks_wait_s": 0}))
         ctx = ExecContext(store=embedded_store, host=node_name(), spool_dir=str(tmp_path))
         f = finding(job_id=job, kind="hang", rank=2)
@@ -97,16 +100,36 @@ def test_torchrun_executor_ends_the_ranks_process_and_only_it(embedded_store, tm
         assert "SIGKILL to rank 2" in res.detail and "train.py:7 main: time.sleep(9)" in res.detail
         assert res.data["signalled"][0]["innermost"] == ["train.py:7 main: time.sleep(9)"]
         res = ex.execute(_decision(finding(job_id=job, kind="hang", rank=3)), ctx)
-        assert res.outcome == "skipped" and "is no longer rank 3 of job exec-job: left alone" in res.detail
-        assert other.poll() is None
+        assert res.outcome == "skipped" and "is no longer rank 3 of job exec-job attempt 0: left alone" in res.detail
+        res = ex.execute(_decision(finding(job_id=job, kind="hang", rank=1)), ctx)
+        assert res.outcome == "skipped" and "is no longer rank 1" in res.detail
+        assert other.poll() is None and later.poll() is None
         res = ex.execute(_decision(f), ctx)  # rank 2 is gone now
         assert res.outcome == "skipped" and "has already exited" in res.detail
         res = ex.execute(_decision(f, Level.REPLACE_NODE, "node:node1"), ctx)
         assert res.outcome == "skipped" and "cannot move a rank to another node" in res.detail
     finally:
-        for p in (mine, other):
+        for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_stack_dump_from_before_the_hang_is_not_taken_for_it(embedded_store, tmp_path):
+    job = "stale-job"
+    p = _rank_process(job, 0)
+    try:
+        _beat(embedded_store, job, 0, p.pid)
+        stacks = tmp_path / job / "0" / "stacks"
+        stacks.mkdir(parents=True)
+        old = {"pid": p.pid, "ts_ns": time.time_ns() - 3600 * 10**9, "threads": [{"main": True, "frames": []}]}
+        (stacks / "stacks_rank_0.json").write_text(json.dumps(old))
+        ex = build_executor(ExecutorSpec("elastic", "torchrun", options={"stacks_wait_s": 0}))
+        ctx = ExecContext(store=embedded_store, host=node_name(), spool_dir=str(tmp_path))
+        res = ex.execute(_decision(finding(job_id=job, kind="hang", rank=0, duration_s=60)), ctx)
+        assert res.outcome == "acknowledged" and "no stack dump of rank 0 within 0 s" in res.detail
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_a_rank_on_another_node_is_not_signalled(embedded_store):

@@ -41,6 +41,25 @@ def _short(host: str) -> str:
     return host.split(".", 1)[0]
 
 
+def _is_rank(env: dict[str, str], job_id: str, rank: int, attempt: int) -> bool:
+    """Whether a process's environment is rank ``rank`` of ``job_id``'s attempt ``attempt`` (the
+    torchrun agent, another rank, or a later attempt's worker that reused the pid are not)."""
+    from ranklens.config import ENV_ATTEMPT, ENV_JOB_ID
+
+    if env.get(ENV_JOB_ID) != job_id or env.get("RANK") != str(rank):
+        return False
+    restart = env.get("TORCHELASTIC_RESTART_COUNT") or env.get(ENV_ATTEMPT) or "0"
+    return restart == str(attempt)
+
+
+def _fresh(path: Path, pid: int, since_ns: int) -> bool:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and int(doc.get("pid", -1)) == pid and int(doc.get("ts_ns", 0)) >= since_ns
+
+
 def innermost_frames(stacks_file: Path, *, frames: int = 5) -> list[str]:
     """``file:line function: code`` of the main thread's innermost frames in a tracer stacks dump
     (innermost first); [] when the file cannot be read."""
@@ -94,7 +113,7 @@ class TorchrunExecutor:
 
     def execute(self, d: Decision, ctx: ExecContext) -> ExecResult:
         from ranklens.collector.nvml import read_proc_environ
-        from ranklens.config import ENV_JOB_ID
+        from ranklens.formats.process import pid_namespace
 
         ranks = self._ranks(d)
         if isinstance(ranks, str):
@@ -105,7 +124,8 @@ class TorchrunExecutor:
         if not ranks:  # a job-level finding without suspects: any rank of the attempt
             ranks = [-1]
         rows = ctx.store.query(
-            "SELECT rank, argMax(pid, ts_ns) AS pid, argMax(host, ts_ns) AS host FROM heartbeats "
+            "SELECT rank, argMax(pid, ts_ns) AS pid, argMax(host, ts_ns) AS host, argMax(pid_ns, ts_ns) AS pid_ns "
+            "FROM heartbeats "
             f"WHERE job_id = '{_esc(f.job_id)}' AND attempt = {int(f.attempt)} GROUP BY rank ORDER BY rank"
         ).to_pylist()
         by_rank = {int(r["rank"]): r for r in rows}
@@ -113,6 +133,7 @@ class TorchrunExecutor:
             ranks = sorted(by_rank)[:1]
         done: list[dict[str, Any]] = []
         notes: list[str] = []
+        failed: list[str] = []
         for rank in ranks:
             hb = by_rank.get(rank)
             if hb is None:
@@ -122,22 +143,29 @@ class TorchrunExecutor:
             if _short(host) != _short(ctx.host):
                 notes.append(f"rank {rank} runs on {host}, not here ({ctx.host})")
                 continue
+            if int(hb.get("pid_ns") or 0) and pid_namespace() and int(hb["pid_ns"]) != pid_namespace():
+                notes.append(f"rank {rank}'s pid {pid} is in another pid namespace (a container): not signalled")
+                continue
             env = read_proc_environ(pid)
             if env is None:
                 notes.append(f"rank {rank} (pid {pid}) has already exited")
                 continue
-            if env.get(ENV_JOB_ID) != f.job_id:
-                notes.append(f"pid {pid} is no longer rank {rank} of job {f.job_id}: left alone")
+            if not _is_rank(env, f.job_id, rank, f.attempt):
+                notes.append(f"pid {pid} is no longer rank {rank} of job {f.job_id} attempt {f.attempt}: left alone")
                 continue
-            stacks = self._stacks(ctx, f.job_id, f.attempt, rank)
+            stacks = self._stacks(ctx, f.job_id, f.attempt, rank, pid, f.first_seen_ns)
             try:
                 os.kill(pid, self.signal)
             except ProcessLookupError:
                 notes.append(f"rank {rank} (pid {pid}) exited meanwhile")
                 continue
             except PermissionError as e:
-                return ExecResult("failed", f"cannot signal rank {rank} (pid {pid}): {e}")
+                failed.append(f"cannot signal rank {rank} (pid {pid}): {e}")
+                continue
             done.append({"rank": rank, "pid": pid, "host": host, "signal": self.signal_name, **stacks})
+        if failed and not done:
+            return ExecResult("failed", "; ".join(failed + notes))
+        notes = failed + notes
         if not done:
             return ExecResult("skipped", "; ".join(notes) or "no rank to restart")
         detail = (
@@ -154,14 +182,19 @@ class TorchrunExecutor:
             detail += "; " + "; ".join(notes)
         return ExecResult("acknowledged", detail, {"signalled": done})
 
-    def _stacks(self, ctx: ExecContext, job_id: str, attempt: int, rank: int) -> dict[str, Any]:
+    def _stacks(
+        self, ctx: ExecContext, job_id: str, attempt: int, rank: int, pid: int, since_ns: int
+    ) -> dict[str, Any]:
+        """The rank's stack dump written for this hang (by this process, not before the finding's
+        onset: a periodic dump from earlier would show the wrong moment), waited for up to
+        ``stacks_wait_s``."""
         if not ctx.spool_dir:
             return {}
         path = Path(ctx.spool_dir, job_id, str(attempt), "stacks", f"stacks_rank_{rank}.json")
         deadline = time.monotonic() + self.stacks_wait_s
-        while not path.exists() and time.monotonic() < deadline:
+        while True:
+            if _fresh(path, pid, since_ns - 1_000_000_000):
+                return {"stacks": str(path), "innermost": innermost_frames(path)}
+            if time.monotonic() >= deadline:
+                return {"stacks": None}
             ctx.sleep(0.2)
-        if not path.exists():
-            return {"stacks": None}
-        ctx.sleep(0.2)  # written with a rename: complete once it exists; a moment for a late flush
-        return {"stacks": str(path), "innermost": innermost_frames(path)}
