@@ -23,6 +23,7 @@ rank, node; or GPU and code), so a line that repeats updates one finding instead
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from ranklens.analyzers.correlate import gpu_event_severity
 from ranklens.analyzers.findings import Finding, Suspect, finding_id
@@ -202,26 +203,9 @@ def _torchrun_crashes(store: Store, job_id: str, attempt: int) -> list[Finding]:
             continue
         rank, code = int(m.group(1)), int(m.group(2))
         seen.add(rank)
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         out.append(
-            _finding(
-                job_id,
-                attempt,
-                "crash",
-                f"torchrun:{rank}",
-                "critical",
-                f"rank {rank} crashed ({how}): the launcher's first observed failure; the other ranks were stopped",
-                Suspect(rank, str(r["host"])),
-                int(r["ts_ns"]),
-                int(r["ts_ns"]),
-                {
-                    "source": "log_events",
-                    "class": "rank_failure",
-                    "exit_code": code,
-                    "cause": "crash",
-                    "log": r["source"],
-                    "action": "restart_job",
-                },
+            _crash(
+                job_id, attempt, rank, code, r, "the launcher's first observed failure; the other ranks were stopped"
             )
         )
     return out
@@ -262,29 +246,29 @@ def _elastic_failures(store: Store, job_id: str, attempt: int, seen: set[int]) -
             continue
         rank = found[0]
         seen.add(rank)
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        out.append(
-            _finding(
-                job_id,
-                attempt,
-                "crash",
-                f"torchrun:{rank}",
-                "critical",
-                f"rank {rank} crashed ({how}, pid {pid}): torch elastic stopped the worker group",
-                Suspect(rank, str(r["host"])),
-                int(r["ts_ns"]),
-                int(r["ts_ns"]),
-                {
-                    "source": "log_events",
-                    "class": "rank_failure",
-                    "exit_code": code,
-                    "pid": pid,
-                    "cause": "crash",
-                    "action": "restart_job",
-                },
-            )
-        )
+        out.append(_crash(job_id, attempt, rank, code, r, "torch elastic stopped the worker group", pid=pid))
     return out
+
+
+def _crash(job_id: str, attempt: int, rank: int, code: int, row: dict[str, Any], what: str, *, pid: int = 0) -> Finding:
+    """A ``crash`` finding from the launcher's log line ``row`` (rank ``rank`` ended with ``code``)."""
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    if pid:
+        how += f", pid {pid}"
+    evidence: dict[str, object] = {"source": "log_events", "class": "rank_failure", "exit_code": code, "cause": "crash"}
+    evidence.update({"action": "restart_job", **({"pid": pid} if pid else {}), "log": row.get("source", "")})
+    return _finding(
+        job_id,
+        attempt,
+        "crash",
+        f"torchrun:{rank}",
+        "critical",
+        f"rank {rank} crashed ({how}): {what}",
+        Suspect(rank, str(row["host"])),
+        int(row["ts_ns"]),
+        int(row["ts_ns"]),
+        evidence,
+    )
 
 
 def _finding(

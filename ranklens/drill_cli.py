@@ -78,6 +78,11 @@ def _scorecard(r: Any) -> list[str]:
         lines += [f"    {f.kind}: {f.title[:140]}" for f in r.false_findings]
     else:
         lines.append("  false findings: none")
+    if r.costless_findings:
+        lines.append(
+            f"  costless (warnings costing the job < 1% of step time, not counted): {len(r.costless_findings)}"
+        )
+        lines += [f"    {f.kind}: {f.title[:140]}" for f in r.costless_findings]
     if r.job_failed:
         lines.append(f"  job failed: {r.job_failed}")
     return lines

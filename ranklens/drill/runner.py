@@ -33,7 +33,7 @@ from ranklens.collector import Shipper
 from ranklens.config import ENV_FR_STUCK_S, node_name
 from ranklens.drill.faults import DrillFault, DrillKind, validate_targets
 from ranklens.drill.inject import ENV_DRILL
-from ranklens.drill.score import FaultScore, Onset, Seen, score
+from ranklens.drill.score import FaultScore, Onset, Seen, costless, score
 from ranklens.errors import ConfigError
 from ranklens.launch import traced_env
 from ranklens.store.api import Store
@@ -56,6 +56,7 @@ class DrillResult:
     log_path: str
     findings_seen: int = 0
     rows: dict[str, int] = field(default_factory=dict)
+    costless_findings: list[Seen] = field(default_factory=list)  # warnings that cost the job ~nothing
     recovering: bool = False  # run with a recovery policy: fatal faults must end in training resumed
 
     @property
@@ -76,6 +77,9 @@ class DrillResult:
             "faults": [s.to_json() for s in self.scores],
             "false_findings": [
                 {"id": s.id, "kind": s.kind, "ranks": list(s.ranks), "title": s.title} for s in self.false_findings
+            ],
+            "costless_findings": [
+                {"id": s.id, "kind": s.kind, "ranks": list(s.ranks), "title": s.title} for s in self.costless_findings
             ],
             "exit_code": self.exit_code,
             "stopped_by_drill": self.stopped_by_drill,
@@ -320,7 +324,17 @@ def run_drill(
 
     def seen() -> list[Seen]:
         return [
-            Seen(f.id, f.kind, tuple(s.rank for s in f.suspects), f.title, first, f.first_seen_ns, dict(f.evidence))
+            Seen(
+                f.id,
+                f.kind,
+                tuple(s.rank for s in f.suspects),
+                f.title,
+                first,
+                f.first_seen_ns,
+                dict(f.evidence),
+                f.severity.value,
+                float(f.step_time_pct),
+            )
             for f, first in sup.found.values()
         ]
 
@@ -389,6 +403,7 @@ def run_drill(
             gpus.close()
     ready, onsets = _read_truth(truth)
     scores, false = score(faults, onsets, seen())
+    false, quiet = costless(false)
     if acting:
         times = {t.finding_id: t for t in recovery_times(store, job_id)}
         for sc in scores:
@@ -418,6 +433,7 @@ def run_drill(
         command=list(command),
         scores=scores,
         false_findings=false,
+        costless_findings=quiet,
         exit_code=code,
         stopped_by_drill=stopped,
         job_failed=job_failed,

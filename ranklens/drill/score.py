@@ -23,7 +23,9 @@ from typing import Any
 
 from ranklens.drill.faults import FATAL, DrillFault, DrillKind
 
-__all__ = ["DETECTS", "KIND", "FaultScore", "Onset", "Seen", "score"]
+__all__ = ["DETECTS", "KIND", "MIN_COST_PCT", "FaultScore", "Onset", "Seen", "costless", "score"]
+
+MIN_COST_PCT = 1.0  # a straggler / slow-link warning costing the job less than this share of step time
 
 #: the finding kind that is the right answer for each fault kind
 KIND = {
@@ -71,6 +73,8 @@ class Seen:
     seen_ns: int
     first_ns: int = 0
     evidence: dict[str, Any] = field(default_factory=dict)
+    severity: str = ""
+    cost_pct: float = float("nan")  # share of step time it costs the job (stragglers, slow links)
 
 
 @dataclass
@@ -143,6 +147,18 @@ def _expected(f: DrillFault) -> str:
     if f.kind is DrillKind.GPU:
         return f"gpu_error (XID {int(f.severity)})"
     return KIND[f.kind]
+
+
+def costless(false: list[Seen]) -> tuple[list[Seen], list[Seen]]:
+    """Split unexplained findings into false alarms and *costless* ones: straggler or slow-link
+    warnings that cost the job under ``MIN_COST_PCT`` % of its step time (a rank that computes a
+    little longer but that nobody waits for). Those are reported apart, not counted as alarms."""
+    alarms: list[Seen] = []
+    quiet: list[Seen] = []
+    for s in false:
+        cheap = s.kind in ("straggler", "slow_link") and s.severity == "warning" and s.cost_pct < MIN_COST_PCT
+        (quiet if cheap else alarms).append(s)
+    return alarms, quiet
 
 
 def score(faults: list[DrillFault], onsets: dict[int, Onset], seen: list[Seen]) -> tuple[list[FaultScore], list[Seen]]:

@@ -8,7 +8,7 @@ import pytest
 
 from ranklens.drill.faults import DrillKind, parse_drill_fault, validate_targets
 from ranklens.drill.runner import world_size_of
-from ranklens.drill.score import Onset, Seen, score
+from ranklens.drill.score import Onset, Seen, costless, score
 from ranklens.drill.suites import QUICK, load_suite
 from ranklens.errors import ConfigError
 from tests._jobs import ranklens
@@ -209,3 +209,12 @@ def test_a_finding_that_began_before_a_crash_is_not_collateral():
     early = Seen("s", "straggler", (0,), "rank 0 slow", int(52e9), int(30e9), {})  # began at 30 s, shown at 52 s
     scores, false = score(faults, {0: Onset(int(50e9), 6)}, [early, _seen("c", "crash", [1], 51)])
     assert scores[0].ok and [s.id for s in false] == ["s"]
+
+
+def test_warnings_that_cost_the_job_nothing_are_costless_not_false_alarms():
+    cheap = Seen("c", "straggler", (3,), "rank 3 +8%, 0% of step time", 10, 10, {}, "warning", 0.0)
+    real = Seen("r", "straggler", (1,), "rank 1 +40%", 10, 10, {}, "warning", 25.0)
+    crit = Seen("k", "straggler", (2,), "rank 2", 10, 10, {}, "critical", 0.5)
+    log = Seen("l", "log_error", (0,), "oom", 10, 10, {}, "error")
+    alarms, quiet = costless([cheap, real, crit, log])
+    assert [s.id for s in alarms] == ["r", "k", "l"] and [s.id for s in quiet] == ["c"]
