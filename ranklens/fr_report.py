@@ -12,7 +12,6 @@ findings) or :meth:`FlightRecorderReport.to_json`. The CLI parses arguments, pri
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from ranklens.analyzers.hangs import analyze_flight_recorder, group_progress, st
 from ranklens.collector.flight_recorder import infer_job_id, job_from_path, read_dumps
 from ranklens.errors import IngestError
 from ranklens.formats.flight_recorder import FRDump, UnreadableDump, infer_world_size
+from ranklens.formats.stacks import read_stack_dump
 from ranklens.store.api import Store
 
 __all__ = ["FlightRecorderReport", "analyze_dumps"]
@@ -187,17 +187,9 @@ def load_stacks(directory: Path) -> dict[int, dict[str, Any]]:
     to fail the post-mortem). Only the training's threads are kept (not ranklens' own)."""
     out: dict[int, dict[str, Any]] = {}
     for path in sorted(directory.glob("stacks_rank_*.json")):
-        try:
-            doc = json.loads(path.read_text())
-            rank = int(doc["rank"])
-            threads = [
-                {"thread": str(t["thread"]), "main": bool(t["main"]), "frames": list(t["frames"])}
-                for t in doc["threads"]
-                if not t.get("ranklens")
-            ]
-            out[rank] = {"ts_ns": int(doc["ts_ns"]), "reason": str(doc.get("reason", "")), "threads": threads}
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+        doc = read_stack_dump(path)
+        if doc is not None:
+            out[doc["rank"]] = {"ts_ns": doc["ts_ns"], "reason": doc["reason"], "threads": doc["threads"]}
     return out
 
 

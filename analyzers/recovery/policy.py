@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 
 from ranklens.analyzers.findings import Finding
 from ranklens.analyzers.recovery.api import Level, PolicyError
-from ranklens.analyzers.recovery.executors.api import EXECUTOR_KINDS, NOT_YET, ExecutorSpec
+from ranklens.analyzers.recovery.executors.api import EXECUTOR_KINDS, NOT_YET, SIGNALS, ExecutorSpec
 from ranklens.analyzers.recovery.signing import SignatureScheme, standard_key
 from ranklens.formats.severity import Severity
 
@@ -396,8 +396,8 @@ def _executor(r: _Reader, d: Any, i: int) -> ExecutorSpec:
     opts: dict[str, Any] = {}
     if "signal" in options:
         sig = r.string(d, where, "signal", "SIGKILL").upper()
-        if sig not in ("SIGKILL", "SIGTERM", "SIGINT"):
-            raise PolicyError(r.source, f"{where}.signal", f"{sig!r}: one of 'SIGKILL', 'SIGTERM', 'SIGINT'")
+        if sig not in SIGNALS:
+            raise PolicyError(r.source, f"{where}.signal", f"{sig!r}: one of {', '.join(map(repr, SIGNALS))}")
         opts["signal"] = sig
     if "stacks_wait_s" in options:
         opts["stacks_wait_s"] = r.number(d, where, "stacks_wait_s", 10.0, lo=0, hi=600)

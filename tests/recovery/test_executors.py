@@ -89,7 +89,8 @@ def test_torchrun_executor_ends_the_ranks_process_and_only_it(embedded_store, tm
         stacks = tmp_path / job / "0" / "stacks"
         stacks.mkdir(parents=True)
         frames = [{"file": "train.py", "line": 7, "func": "main", "code": "time.sleep(9)"}]
-        doc = {"pid": mine.pid, "ts_ns": time.time_ns(), "threads": [{"main": True, "frames": frames}]}
+        main = {"thread": "MainThread", "main": True, "frames": frames}
+        doc = {"rank": 2, "pid": mine.pid, "ts_ns": time.time_ns(), "threads": [main]}  # the tracer's dump
         (stacks / "stacks_rank_2.json").write_text(json.dumps(doc))
         ex = build_executor(ExecutorSpec("elastic", "torchrun", options={"stacks_wait_s": 0}))
         ctx = ExecContext(store=embedded_store, host=node_name(), spool_dir=str(tmp_path))
@@ -121,7 +122,8 @@ def test_a_stack_dump_from_before_the_hang_is_not_taken_for_it(embedded_store, t
         _beat(embedded_store, job, 0, p.pid)
         stacks = tmp_path / job / "0" / "stacks"
         stacks.mkdir(parents=True)
-        old = {"pid": p.pid, "ts_ns": time.time_ns() - 3600 * 10**9, "threads": [{"main": True, "frames": []}]}
+        main = {"thread": "MainThread", "main": True, "frames": []}
+        old = {"rank": 0, "pid": p.pid, "ts_ns": time.time_ns() - 3600 * 10**9, "threads": [main]}
         (stacks / "stacks_rank_0.json").write_text(json.dumps(old))
         ex = build_executor(ExecutorSpec("elastic", "torchrun", options={"stacks_wait_s": 0}))
         ctx = ExecContext(store=embedded_store, host=node_name(), spool_dir=str(tmp_path))

@@ -26,10 +26,12 @@ from typing import Any, Protocol
 from ranklens.analyzers.recovery.api import Decision, Level
 from ranklens.store.api import Store
 
-__all__ = ["EXECUTOR_KINDS", "ExecContext", "ExecResult", "Executor", "ExecutorSpec", "build_executor"]
+__all__ = ["EXECUTOR_KINDS", "SIGNALS", "ExecContext", "ExecResult", "Executor", "ExecutorSpec", "build_executor"]
 
 #: kinds an [[executor]] table may name, with the options each takes
 EXECUTOR_KINDS: dict[str, set[str]] = {"torchrun": {"signal", "stacks_wait_s"}}
+#: signals the torchrun executor may send
+SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT")
 #: kinds asked for that are not built yet, and what to use meanwhile
 NOT_YET = {
     "slurm": "the Slurm executor (drain, requeue) is not built yet: use a hook calling scontrol",

@@ -8,7 +8,8 @@ both come down to ending one worker of the group — for a hang, the stuck rank 
 
 1. the rank's process comes from its newest heartbeat (``pid``, ``host``); a process on another
    node is ``skipped`` (the executor acts on the node it runs on: run it where the launcher runs);
-   a pid whose environment is not this job's (reused) is never signalled;
+   a pid that is no longer that rank of that attempt (its environment's job id, ``RANK`` and restart
+   count), or lives in another pid namespace, is never signalled;
 2. before the restart, the rank's Python stacks: the tracer writes them with every flight-recorder
    dump (``<spool>/<job>/<attempt>/stacks/stacks_rank_<r>.json``); the executor waits up to
    ``stacks_wait_s`` for that file and puts the innermost frames of its main thread in the result
@@ -21,7 +22,6 @@ is ``skipped``: torchrun cannot move a rank to another node.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from ranklens.analyzers.recovery.api import Decision, Level
-from ranklens.analyzers.recovery.executors.api import ExecContext, ExecResult, ExecutorSpec
+from ranklens.analyzers.recovery.executors.api import SIGNALS, ExecContext, ExecResult, ExecutorSpec
+from ranklens.formats.stacks import read_stack_dump
 from ranklens.store.api import sql_escape as _esc
 
 __all__ = ["TorchrunExecutor", "innermost_frames"]
-
-_SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
 
 
 def _short(host: str) -> str:
@@ -52,45 +51,24 @@ def _is_rank(env: dict[str, str], job_id: str, rank: int, attempt: int) -> bool:
     return restart == str(attempt)
 
 
-def _fresh(path: Path, pid: int, since_ns: int) -> bool:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and int(doc.get("pid", -1)) == pid and int(doc.get("ts_ns", 0)) >= since_ns
-
-
-def innermost_frames(stacks_file: Path, *, frames: int = 5) -> list[str]:
-    """``file:line function: code`` of the main thread's innermost frames in a tracer stacks dump
-    (innermost first); [] when the file cannot be read."""
-    try:
-        doc = json.loads(stacks_file.read_text())
-    except (OSError, ValueError):
-        return []
-    threads = doc.get("threads") if isinstance(doc, dict) else None
-    if not isinstance(threads, list):
-        return []
-    main = next((t for t in threads if isinstance(t, dict) and t.get("main")), None) or next(
-        (t for t in threads if isinstance(t, dict) and "MainThread" in str(t.get("name", ""))), None
-    )
+def innermost_frames(dump: dict[str, Any], *, frames: int = 5) -> list[str]:
+    """``file:line function: code`` of the main thread's innermost frames in a stack dump (as
+    :func:`~ranklens.formats.stacks.read_stack_dump` returns it), innermost first."""
+    main = next((t for t in dump["threads"] if t["main"]), None)
     if main is None:
         return []
-    out = []
-    for fr in reversed(main.get("frames") or []):
-        if isinstance(fr, dict):
-            func = fr.get("func") or fr.get("function") or "?"
-            out.append(f"{fr.get('file', '?')}:{fr.get('line', '?')} {func}: {fr.get('code', '')}")
-        if len(out) >= frames:
-            break
-    return out
+    return [
+        f"{fr.get('file', '?')}:{fr.get('line', '?')} {fr.get('func', '?')}: {fr.get('code', '')}"
+        for fr in reversed(main["frames"][-frames:])
+    ]
 
 
 class TorchrunExecutor:
     def __init__(self, spec: ExecutorSpec) -> None:
         self.spec = spec
         name = str(spec.options.get("signal", "SIGKILL")).upper()
-        self.signal = _SIGNALS.get(name, signal.SIGKILL)
-        self.signal_name = name if name in _SIGNALS else "SIGKILL"
+        self.signal_name = name if name in SIGNALS else "SIGKILL"
+        self.signal = getattr(signal, self.signal_name)
         self.stacks_wait_s = float(spec.options.get("stacks_wait_s", 10.0))
 
     def _ranks(self, d: Decision) -> list[int] | str:
@@ -193,8 +171,9 @@ class TorchrunExecutor:
         path = Path(ctx.spool_dir, job_id, str(attempt), "stacks", f"stacks_rank_{rank}.json")
         deadline = time.monotonic() + self.stacks_wait_s
         while True:
-            if _fresh(path, pid, since_ns - 1_000_000_000):
-                return {"stacks": str(path), "innermost": innermost_frames(path)}
+            dump = read_stack_dump(path)
+            if dump is not None and dump["pid"] == pid and dump["ts_ns"] >= since_ns - 1_000_000_000:
+                return {"stacks": str(path), "innermost": innermost_frames(dump)}
             if time.monotonic() >= deadline:
                 return {"stacks": None}
             ctx.sleep(0.2)
