@@ -91,9 +91,9 @@ class FindingTracker:
         for f in findings:
             seen.add(f.id)
             old = self.open.get(f.id)
-            if old is not None and _KEPT.intersection(old.evidence) - set(f.evidence):
-                # evidence attached after the analysis (the stacks taken before a restart) stays
-                kept = {k: old.evidence[k] for k in _KEPT if k in old.evidence and k not in f.evidence}
+            # evidence attached after the analysis (the stacks taken before a restart) stays
+            kept = {k: old.evidence[k] for k in _KEPT if k in old.evidence and k not in f.evidence} if old else {}
+            if kept:
                 f = dataclasses.replace(f, evidence={**f.evidence, **kept})
             if old is None:
                 if f.state != "resolved":

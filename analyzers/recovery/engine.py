@@ -339,19 +339,7 @@ class RecoveryEngine:
             res = self.hooks.run(spec, d)
             report.hooks.append((spec.name, f.id, res.outcome))
             detail = f"{res.detail} ({res.duration_s:.2f} s)" if res.detail else f"{res.duration_s:.2f} s"
-            rows.append(
-                action_row(
-                    finding_id=f.id,
-                    job_id=f.job_id,
-                    attempt=f.attempt,
-                    action=d.level.value,
-                    target=f"hook:{spec.name}",
-                    idempotency_key=d.key,
-                    outcome=res.outcome,
-                    detail=detail,
-                    ts_ns=self._clock_ns(),
-                )
-            )
+            rows.append(self._delivery_row(d, f"hook:{spec.name}", res.outcome, detail))
             if self.metrics is not None:
                 self.metrics.delivery(f"hook:{spec.name}", res.outcome)
         for ex in self.executors:
@@ -369,19 +357,8 @@ class RecoveryEngine:
                     xres = ExecResult("failed", f"{type(e).__name__}: {e}")
             report.executed.append((ex.spec.name, f.id, xres))
             logger.info("recovery: executor %s: %s: %s", ex.spec.name, xres.outcome, xres.detail)
-            rows.append(
-                action_row(
-                    finding_id=f.id,
-                    job_id=f.job_id,
-                    attempt=f.attempt,
-                    action=d.level.value,
-                    target=f"executor:{ex.spec.name}",
-                    idempotency_key=d.key,
-                    outcome=xres.outcome,
-                    detail={"detail": xres.detail, "seconds": round(time.monotonic() - t0, 3), **xres.data},
-                    ts_ns=self._clock_ns(),
-                )
-            )
+            xdetail = {"detail": xres.detail, "seconds": round(time.monotonic() - t0, 3), **xres.data}
+            rows.append(self._delivery_row(d, f"executor:{ex.spec.name}", xres.outcome, xdetail))
             if self.metrics is not None:
                 self.metrics.delivery(f"executor:{ex.spec.name}", xres.outcome)
             stacks = [x for x in xres.data.get("signalled", []) if x.get("innermost")]
@@ -406,7 +383,8 @@ class RecoveryEngine:
             logger.warning("recovery: could not attach the stacks to finding %s: %s", f.id, e)
         return annotated
 
-    def _skip_row(self, d: Decision, target: str, why: str) -> dict[str, Any]:
+    def _delivery_row(self, d: Decision, target: str, outcome: str, detail: str | dict[str, Any]) -> dict[str, Any]:
+        """The ``actions`` row of one delivery of decision ``d`` (a hook, an executor, a skip), now."""
         f = d.finding
         return action_row(
             finding_id=f.id,
@@ -415,10 +393,13 @@ class RecoveryEngine:
             action=d.level.value,
             target=target,
             idempotency_key=d.key,
-            outcome="skipped",
-            detail=why,
+            outcome=outcome,
+            detail=detail,
             ts_ns=self._clock_ns(),
         )
+
+    def _skip_row(self, d: Decision, target: str, why: str) -> dict[str, Any]:
+        return self._delivery_row(d, target, "skipped", why)
 
     def _count(self, d: Decision, outcome: str) -> None:
         if self.metrics is not None:
