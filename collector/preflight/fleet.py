@@ -284,8 +284,10 @@ def pair_bandwidth(
     A node's *reach* is its best pair's bandwidth. The fleet's reference is the median reach (most
     nodes are healthy, so one slow node cannot drag it down, and one lucky pair cannot lift it).
     A node whose reach is below ``1/slow_ratio`` of the reference (or below ``min_Bps``) has every
-    link slow: it is the culprit (fail). A slow pair between two nodes that are not culprits is a
-    link between them (warn on both ends). With two nodes there is one pair and no reference but
+    link slow: it is the culprit (fail), provided two or more of those links go to peers that are
+    not already culprits (judged slowest first, so a culprit's neighbour is not blamed for the
+    culprit's slowness). A slow pair between two nodes that are not culprits is a link between them
+    (warn on both ends). With two nodes there is one pair and no reference but
     ``min_Bps``: a slow pair cannot say which end (warn on both).
     """
     name = "net.pair_bandwidth"
@@ -296,9 +298,16 @@ def pair_bandwidth(
     ref = statistics.median(reach.values())
     limit = max(ref / slow_ratio, min_Bps) if len(pairs) > 1 else min_Bps
 
-    culprits = {n for n, r in reach.items() if r < limit and len(mine[n]) >= (2 if len(pairs) > 1 else 1)}
-    if len(pairs) == 1:
-        culprits = set()
+    # Slowest first, each culprit explains away its own pairs: a neighbour of a culprit whose one
+    # other pair also measured slow (noise on a loaded host, or a bad path) has a slow *link*, not
+    # a slow NIC, unless two or more of its pairs with healthy peers are slow.
+    culprits: set[str] = set()
+    if len(pairs) > 1:
+        for n in sorted(reach, key=lambda k: reach[k]):
+            if reach[n] >= limit:
+                break
+            if sum((p.b if p.a == n else p.a) not in culprits for p in mine[n]) >= 2:
+                culprits.add(n)
     slow_links = [p for p in pairs if p.Bps < limit and p.a not in culprits and p.b not in culprits]
     if len(pairs) == 1:
         thr = f">= {min_Bps / 1e6:.0f} MB/s (--min-bandwidth; one pair has nothing to compare with)"
