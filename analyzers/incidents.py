@@ -14,7 +14,12 @@ error becomes a finding:
   (the tracer's check, class ``nonfinite_grad``): the origin of a NaN loss, not its victims;
 - ``crash``: the rank torchrun's failure summary names as the root cause (first observed failure),
   with its exit code: when one rank dies the launcher stops the others within a second, before
-  any collective is stuck long enough for the live hang detector.
+  any collective is stuck long enough for the live hang detector;
+- ``size_mismatch`` / ``desync``: at the ledger's frontier (the last ``FRONTIER`` seqs of each
+  process group), members that called the same collective with different input sizes or dtypes,
+  or a different collective, at the same ``(pg, seq)``; the minority is blamed. Gloo aborts on a
+  size mismatch within milliseconds (a peer dies with an ``EnforceNotMet``: the launcher's crash
+  names that victim), NCCL hangs or corrupts; the ledger says which rank passed what.
 
 One SQL statement per table (grouped in the store); the identity of a finding is its key (class,
 rank, node; or GPU and code), so a line that repeats updates one finding instead of adding more.
@@ -93,6 +98,7 @@ def find_incidents(store: Store, job_id: str, attempt: int = 0) -> list[Finding]
     ).to_pylist()
     out += _torchrun_crashes(store, job_id, attempt)
     out += _nonfinite(store, job_id, attempt)
+    out += _ledger_mismatches(store, job_id, attempt)
     for r in logs[:MAX_PER_TABLE]:
         rank = int(r["rank"])
         first_line = str(r["message"] or "").strip().splitlines()
@@ -179,6 +185,114 @@ def _nonfinite(store: Store, job_id: str, attempt: int) -> list[Finding]:
             extra=[Suspect(r, first[r][2]) for r in culprits[1:]],
         )
     ]
+
+
+FRONTIER = 8  # seqs of each group, back from its newest, compared across members
+# collectives whose every member passes an input of the same size and dtype (all_gather's list form
+# and all_to_all may be uneven, gather/scatter differ at the root: not compared)
+_EQUAL_INPUTS = frozenset(
+    {
+        "all_reduce",
+        "allreduce",
+        "allreduce_coalesced",
+        "broadcast",
+        "reduce",
+        "all_gather_into_tensor",
+        "_allgather_base",
+        "allgather_into_tensor_coalesced",
+        "reduce_scatter_tensor",
+        "_reduce_scatter_base",
+        "reduce_scatter_tensor_coalesced",
+    }
+)
+
+
+def _ledger_mismatches(store: Store, job_id: str, attempt: int) -> list[Finding]:
+    """``size_mismatch`` and ``desync`` findings from the arrival ledger (see the module doc)."""
+    where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND peer = -1"
+    tops = store.query(f"SELECT pg, max(seq) AS top FROM collectives WHERE {where} GROUP BY pg LIMIT 256").to_pylist()
+    if not tops:
+        return []
+    near = " OR ".join(f"(pg = '{_esc(str(t['pg']))}' AND seq > {int(t['top']) - FRONTIER})" for t in tops)
+    rows = store.query(
+        "SELECT pg, seq, groupArray(rank) AS ranks, groupArray(op) AS ops, groupArray(nbytes) AS sizes, "
+        "groupArray(dtype) AS dtypes, min(enter_ns) AS first_ns, "
+        f"max(enter_ns) AS last_ns, max(step) AS step FROM collectives WHERE {where} AND ({near}) "
+        "GROUP BY pg, seq HAVING count() > 1 AND (uniqExact(op) > 1 OR uniqExact(nbytes) > 1 OR uniqExact(dtype) > 1) "
+        "ORDER BY first_ns LIMIT 64"
+    ).to_pylist()
+    out: list[Finding] = []
+    blamed: set[tuple[str, int]] = set()  # one finding per group: the first disagreement is the cause
+    host: dict[int, str] | None = None
+    for r in rows:
+        ops = [str(o) for o in r["ops"]]
+        desync = len(set(ops)) > 1
+        if not desync and ops[0] not in _EQUAL_INPUTS:
+            continue
+        if str(r["pg"]) in {pg for pg, _ in blamed}:
+            continue
+        by_sig: dict[tuple[str, int, str], list[int]] = {}
+        for rank, op, size, dtype in zip(r["ranks"], ops, r["sizes"], r["dtypes"]):
+            by_sig.setdefault((op, int(size), str(dtype)), []).append(int(rank))
+        if host is None:
+            host = {
+                int(h["rank"]): str(h["host"])
+                for h in store.query(
+                    f"SELECT rank, any(host) AS host FROM ranks WHERE {where[: where.index(' AND peer')]} GROUP BY rank"
+                ).to_pylist()
+            }
+        sides = sorted(by_sig.items(), key=lambda kv: (-len(kv[1]), sorted(kv[1])))
+        major = sides[0][1]
+        if len(major) > len(sides[1][1]):
+            culprits = sorted(rk for _, rks in sides[1:] for rk in rks)
+            conf, who = (0.9 if 2 * len(major) > len(r["ranks"]) else 0.7), "the minority"
+        else:  # a tie: the ledger cannot say which side diverged
+            culprits = sorted(int(x) for x in r["ranks"])
+            conf, who = 0.4, "every side (a tie)"
+
+        def side(sig: tuple[str, int, str], rks: list[int], desync: bool = desync) -> str:
+            names = f"rank {rks[0]}" if len(rks) == 1 else f"ranks {', '.join(map(str, sorted(rks)))}"
+            return f"{names} called {sig[0]}" if desync else f"{names} passed {sig[1]:,} B {sig[2]}"
+
+        kind = "desync" if desync else "size_mismatch"
+        what = "different collectives" if desync else f"{ops[0]} with different inputs"
+        title = f"{kind.replace('_', ' ')} at collective #{r['seq']} of pg {r['pg']}: " + "; ".join(
+            side(sig, rks) for sig, rks in sides
+        )
+        blamed.add((str(r["pg"]), int(r["seq"])))
+        out.append(
+            Finding(
+                id=finding_id(job_id, attempt, kind, f"{r['pg']}:{r['seq']}"),
+                job_id=job_id,
+                attempt=attempt,
+                kind=kind,
+                severity=Severity.CRITICAL,
+                confidence=conf,
+                title=title,
+                suspects=tuple(Suspect(rk, host.get(rk, "")) for rk in culprits),
+                first_seen_step=int(r["step"]),
+                last_seen_step=int(r["step"]),
+                first_seen_ns=int(r["first_ns"]),
+                last_seen_ns=int(r["last_ns"]),
+                evidence={
+                    "source": "collectives",
+                    "cause": kind,
+                    "pg": str(r["pg"]),
+                    "seq": int(r["seq"]),
+                    "blamed": who,
+                    "calls": [
+                        {"ranks": sorted(rks), "op": sig[0], "nbytes": sig[1], "dtype": sig[2]} for sig, rks in sides
+                    ],
+                    "action": "restart_job",
+                    "action_reason": f"members called {what} at the same point: a program bug (a branch, a "
+                    "shape that depends on the rank's data); restart from the checkpoint after fixing it",
+                    "sql": f"SELECT rank, op, nbytes, dtype, step FROM collectives WHERE {where} "
+                    f"AND pg = '{_esc(str(r['pg']))}' AND seq = {int(r['seq'])} ORDER BY rank",
+                },
+                detector=DETECTOR,
+            )
+        )
+    return out
 
 
 # torchrun's ChildFailedError summary: "Root Cause (first observed failure):" then the rank and its exit code

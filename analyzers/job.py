@@ -54,8 +54,33 @@ def analyze_job(
     ranked = sorted(stragglers + links, key=lambda f: (-f.impact_s, f.id))
     # a node that was marginal at pre-flight: the finding says so
     # errors that need no timing (an XID, an OOM or NCCL error in a rank's log): findings of their own
-    incidents = find_incidents(store, job_id, attempt)
-    return annotate_preflight(store, correlate_findings(store, hangs + ranked)) + incidents
+    # the ledger's desync at (pg, seq) is the live detector's own when both saw it: one finding
+    live = {f.id for f in hangs}
+    incidents = [f for f in find_incidents(store, job_id, attempt) if f.id not in live]
+    return _causes_first(annotate_preflight(store, correlate_findings(store, hangs + ranked)) + incidents)
+
+
+def _causes_first(findings: list[Finding]) -> list[Finding]:
+    """A desync or size mismatch in the ledger comes first, and the crashes of other ranks that
+    followed it (gloo aborts a peer of the rank that passed the wrong size) say they came after it."""
+    causes = [f for f in findings if f.kind in ("size_mismatch", "desync")]
+    if not causes:
+        return findings
+    first = min(causes, key=lambda f: f.first_seen_ns)
+    blamed = {s.rank for s in first.suspects}
+    out = []
+    for f in findings:
+        if f.kind == "crash" and not blamed & {s.rank for s in f.suspects} and f.first_seen_ns >= first.first_seen_ns:
+            f = dataclasses.replace(
+                f,
+                title=f"{f.title} (after the {first.kind.replace('_', ' ')} at collective #{first.evidence.get('seq')} "
+                f"of pg {first.evidence.get('pg')}: a consequence)",
+                evidence={**f.evidence, "after": first.id},
+            )
+        out.append(f)
+    return [f for f in out if f.kind in ("size_mismatch", "desync")] + [
+        f for f in out if f.kind not in ("size_mismatch", "desync")
+    ]
 
 
 @dataclass

@@ -37,6 +37,7 @@ __all__ = [
     "ENV_OUTBOX",
     "ENV_POLICY",
     "ENV_PROFILE_EVERY",
+    "ENV_SIGTERM_FLUSH",
     "ENV_SPOOL",
     "ENV_STORE",
     "ENV_STORE_PASSWORD",
@@ -66,6 +67,7 @@ ENV_ELASTIC_STORE = "RANKLENS_ELASTIC_STORE"  # 0: restarted torch elastic attem
 ENV_PROFILE_EVERY = "RANKLENS_PROFILE_EVERY"  # a profiler window every N steps
 ENV_DDP = "RANKLENS_DDP"  # 0: do not instrument DDP
 ENV_AUTOSTEP = "RANKLENS_AUTOSTEP"  # 0: no step inference for scripts that mark none
+ENV_SIGTERM_FLUSH = "RANKLENS_SIGTERM_FLUSH"  # 0: leave SIGTERM alone (default: flush the tracer, then end)
 
 # the collector
 ENV_COLLECTOR_PREFIX = "RANKLENS_COLLECTOR_"  # RANKLENS_COLLECTOR_<KEY>: a [collector] config key

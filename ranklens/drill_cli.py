@@ -26,6 +26,7 @@ Each --fault is KIND:RANK[:SEVERITY][@STEP or @SECONDSs]:
   hang:3@6                rank 3 stops before its next collective (hang:3:30@6: 30 s)
   crash:1:3@6             rank 1 exits with code 3 (crash:1:kill@6: SIGKILL)
   desync:2@6              rank 2 broadcasts where the others all-reduce
+  size_mismatch:1@6       rank 1 all-reduces one element more than the others
   log:0:nccl_error@6      rank 0 logs an NCCL error (nccl_timeout, cuda_oom, xid)
   gpu:3:79@6              XID 79 on rank 3's GPU (a fake NVML on machines without GPUs)
   nan:1@10                rank 1's loss is NaN at step 10
@@ -34,9 +35,9 @@ Steps are optimizer steps. The command runs as under `ranklens run`; without one
 job (4 gloo ranks of ranklens.drill.workload, a plain DDP script) runs. Findings are watched live
 (the loop of `analyze --follow`): a fault is detected when a finding names its rank; time to
 detect runs from its onset to the first pass showing it. A finding no fault explains is a false
-alarm. A hang, crash or desync ends the job once detected (or --detect-timeout after onset).
+alarm. A hang, crash, desync or size mismatch ends the job once detected (or --detect-timeout after onset).
 
---suite quick runs the built-in suite (6 jobs, 8 fault kinds, a few minutes); --suite FILE a TOML
+--suite quick runs the built-in suite (7 jobs, 9 fault kinds, a few minutes); --suite FILE a TOML
 file of [[drill]] tables (name, faults, command). Results go to the `drills` table.
 
 With --recover POLICY the findings are acted on (deploy/policies/torchrun-restart.toml: torch

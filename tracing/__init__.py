@@ -41,6 +41,7 @@ from ranklens.config import (
     ENV_FR_STUCK_S,
     ENV_JOB_ID,
     ENV_PROFILE_EVERY,
+    ENV_SIGTERM_FLUSH,
     ENV_SPOOL,
     env_float,
     env_int,
@@ -236,6 +237,12 @@ def init(
         # registered once at import with weak references: issue 13)
         atexit.unregister(shutdown)
         atexit.register(shutdown)
+        if os.environ.get(ENV_SIGTERM_FLUSH, "1").lower() not in ("0", "false", "no"):
+            from ranklens.tracing import _sigterm
+
+            # a launcher's SIGTERM (torch elastic tearing the group down, Slurm, Kubernetes) ends
+            # the rank after its last rows are written, not before
+            _sigterm.install(flush=tracer.flush, shutdown=lambda: shutdown(2.0))
         return tracer
     except Exception:
         log.exception("ranklens: tracing could not start; training continues untraced")

@@ -141,6 +141,7 @@ class Tracer:
         self._step_phases: list[tuple[str, int, int]] = []
         self._pending: list[tuple[Any, dict[str, Any]]] = []
         self._pending_lock = threading.Lock()
+        self._final_rows: set[int] = set()  # in-flight rows the final flush wrote as not completed
         # ONE background worker (ranklens/_worker.py) for the flush, the heartbeat, the 1 ms
         # completion watcher, the ring reader and the CUDA timer. The flush and the heartbeat are
         # blocking tasks (queued jobs) on two lanes: a slow disk delays the next flush, never the
@@ -399,10 +400,21 @@ class Tracer:
             self.ledger.stop()
 
         def final() -> None:
+            self._run()  # the ledger's forced read first: claims get their seqs, retired entries are written
             with self._pending_lock:
                 pending, self._pending = self._pending, []
-            for _work, _row in pending:  # never completed: record the arrival anyway
-                self.add("collectives", _row)
+            # still in flight (a victim stopped inside its collective, a watched p2p): the arrival
+            # is the ledger's most telling row, written as not completed (end_ns 0)
+            left = {id(r): r for _, r in pending}
+            for key in list(self._inflight):
+                row = self._inflight.pop(key, None)
+                if row is not None:
+                    left[id(row)] = row
+            for row in left.values():
+                if int(row.get("seq", 0)) > 0 and id(row) not in self._final_rows:
+                    self._final_rows.add(id(row))
+                    row.setdefault("end_ns", 0)
+                    self.add("collectives", row)
             self._run()
             # and the exited heartbeat once more, now that the final flush has read the ring's last
             # completions (the first one, below, is not held back by a stuck disk; the newest wins)
@@ -557,6 +569,8 @@ class Tracer:
         return row
 
     def collective_completed(self, row: dict[str, Any], end_ns: int | None = None) -> None:
+        if id(row) in self._final_rows:
+            return  # completed after the final flush wrote it as not completed
         row["end_ns"] = self.clock() if end_ns is None else end_ns
         if row["seq"] <= 0 and self.ledger is not None and self.ledger.hold(row):
             return  # its seq comes from the flight-recorder ring: the ledger writes it then
@@ -586,6 +600,8 @@ class Tracer:
 
     def collective_failed(self, row: dict[str, Any]) -> None:
         """The call raised (timeout, peer gone): it is no longer in flight; keep its arrival."""
+        if id(row) in self._final_rows:
+            return
         row["end_ns"] = -1
         if row["seq"] <= 0 and self.ledger is not None and self.ledger.hold(row):
             return  # its seq comes from the flight-recorder ring: the ledger writes it then

@@ -25,6 +25,7 @@ class DrillKind(str, Enum):
     HANG = "hang"  # a rank stops before its next collective (in its forward)
     CRASH = "crash"  # a rank exits with a code, or is SIGKILLed
     DESYNC = "desync"  # a rank issues a broadcast where the others all-reduce
+    SIZE_MISMATCH = "size_mismatch"  # a rank all-reduces one element more than the others
     LOG = "log"  # error lines in a rank's log (NCCL error, CUDA OOM, XID, NCCL timeout)
     GPU = "gpu"  # an XID event on the rank's GPU, through the fake NVML
     NAN = "nan"  # the rank's loss turns NaN (its model's output, one step)
@@ -34,7 +35,7 @@ KINDS = tuple(k.value for k in DrillKind)
 PHASES = ("forward", "backward", "optimizer")
 LOG_CLASSES = ("nccl_error", "nccl_timeout", "cuda_oom", "xid")
 # kinds that stop the job: the drill ends it once they are detected (or their deadline passed)
-FATAL = {DrillKind.HANG, DrillKind.CRASH, DrillKind.DESYNC}
+FATAL = {DrillKind.HANG, DrillKind.CRASH, DrillKind.DESYNC, DrillKind.SIZE_MISMATCH}
 
 _EXAMPLES = {
     DrillKind.SLOW_GPU: "slow_gpu:2:1.5@5 (50% slower steps from step 5; or 40ms; :optimizer for that phase)",
@@ -42,6 +43,7 @@ _EXAMPLES = {
     DrillKind.HANG: "hang:3@10 (until the drill ends the job; hang:3:30@10 for 30 s)",
     DrillKind.CRASH: "crash:1:3@8 (exit code 3; crash:1:kill@8 for SIGKILL)",
     DrillKind.DESYNC: "desync:2@6",
+    DrillKind.SIZE_MISMATCH: "size_mismatch:1@6",
     DrillKind.LOG: "log:0:nccl_error@4 (nccl_error, nccl_timeout, cuda_oom or xid)",
     DrillKind.GPU: "gpu:2:79@4 (XID 79 on rank 2's GPU)",
     DrillKind.NAN: "nan:1@6 (rank 1's loss is NaN at step 6)",
@@ -162,7 +164,11 @@ def parse_drill_fault(spec: str) -> DrillFault:
         raise bad(f"target {fields[1]!r} is not a rank (an integer >= 0)")
     rank = int(fields[1])
     rest = fields[2:]
-    max_fields = 2 if kind is DrillKind.SLOW_GPU else (0 if kind in (DrillKind.DESYNC, DrillKind.NAN) else 1)
+    max_fields = (
+        2
+        if kind is DrillKind.SLOW_GPU
+        else (0 if kind in (DrillKind.DESYNC, DrillKind.SIZE_MISMATCH, DrillKind.NAN) else 1)
+    )
     if len(rest) > max_fields:
         raise bad(f"too many fields for {kind.value}")
     sev_text = rest[0] if rest else ""

@@ -177,7 +177,7 @@ class _Injector:
         for i, f in self.mine:
             if f.kind in (DrillKind.SLOW_GPU, DrillKind.SLOW_DATA, DrillKind.NAN) or not self._due(f):
                 continue
-            if f.kind is DrillKind.DESYNC:
+            if f.kind in (DrillKind.DESYNC, DrillKind.SIZE_MISMATCH):
                 if not self._desync_armed and i not in self.started and i not in self._armed:
                     self._armed.add(i)
                     self._desync_armed = True
@@ -296,16 +296,18 @@ def after_init() -> None:
         register_module_forward_pre_hook(inj.forward_pre)
         register_module_forward_hook(inj.forward_post)
         register_optimizer_step_pre_hook(inj.optimizer_pre)
-        if any(f.kind is DrillKind.DESYNC for _, f in inj.mine):
+        if any(f.kind in (DrillKind.DESYNC, DrillKind.SIZE_MISMATCH) for _, f in inj.mine):
             orig_all_reduce = dist.all_reduce
 
             def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
                 if inj._desync_armed:
                     inj._desync_armed = False
-                    for i, f in inj.mine:
-                        if f.kind is DrillKind.DESYNC and i in inj._armed:
-                            inj._start(i, f)
+                    fired = [f for i, f in inj.mine if i in inj._armed and i not in inj.started and inj._start(i, f)]
                     group = kwargs.get("group") or (args[1] if len(args) > 1 else None)
+                    if fired and fired[0].kind is DrillKind.SIZE_MISMATCH:
+                        # the same collective with one element more than the peers pass
+                        bigger = torch.cat([tensor.reshape(-1), tensor.new_zeros(1)])
+                        return orig_all_reduce(bigger, *args, **kwargs)
                     src = dist.get_global_rank(group, 0) if group is not None else 0
                     return dist.broadcast(tensor, src=src, group=group, async_op=bool(kwargs.get("async_op")))
                 return orig_all_reduce(tensor, *args, **kwargs)

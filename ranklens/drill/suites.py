@@ -93,6 +93,7 @@ def _quick() -> Suite:
             d("crash with exit code 3", "crash:1:3@6", steps=200),
             d("SIGKILL", "crash:2:kill@6", steps=200),
             d("desync", "desync:2@6", steps=200),
+            d("size mismatch", "size_mismatch:1@6", steps=200),
         ),
     )
 

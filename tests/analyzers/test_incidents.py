@@ -116,3 +116,62 @@ def test_nan_names_the_rank_that_had_non_finite_gradients_before_the_all_reduce(
     assert f.kind == "nan" and [s.rank for s in f.suspects] == [2]
     assert f.evidence["step"] == 10 and f.evidence["after_all_reduce"] == [0, 1, 3]
     assert "rank 2 produced non-finite gradients (NaN/Inf) at step 10" in f.title
+
+
+def _coll(job, rank, seq, nbytes, op="all_reduce", pg="0", dtype="float32", step=-1):
+    return {
+        "job_id": job,
+        "attempt": 0,
+        "rank": rank,
+        "pg": pg,
+        "seq": seq,
+        "op": op,
+        "nbytes": nbytes,
+        "dtype": dtype,
+        "peer": -1,
+        "step": step if step >= 0 else seq // 2,
+        "enter_ns": 1_000_000 * seq + rank,
+        "end_ns": 1_000_000 * seq + 500 + rank,
+    }
+
+
+def test_the_rank_that_passed_another_size_is_named_at_the_ledgers_frontier(store):
+    j = "mismatch-job"
+    rows = [_coll(j, r, s, 18_960 if s % 2 else 4) for s in range(1, 19) for r in range(4)]
+    # seq 18: rank 1 all-reduces one element more; rank 0 died before its row reached the store
+    rows = [x for x in rows if x["seq"] < 18] + [_coll(j, r, 18, 18_964 if r == 1 else 18_960) for r in (1, 2, 3)]
+    # an uneven all_to_all and a gather are not mismatches
+    rows += [
+        _coll(j, r, s, 100 * (r + 1), op=op, pg="7") for s, op in ((1, "all_to_all"), (2, "gather")) for r in range(4)
+    ]
+    store.write("collectives", rows)
+    got = [f for f in find_incidents(store, j) if f.kind in ("size_mismatch", "desync")]
+    assert len(got) == 1, [f.title for f in got]
+    f = got[0]
+    assert f.kind == "size_mismatch" and [s.rank for s in f.suspects] == [1] and f.confidence == 0.9
+    assert "rank 1 passed 18,964 B float32" in f.title and "ranks 2, 3 passed 18,960 B" in f.title
+    assert f.evidence["seq"] == 18 and f.evidence["pg"] == "0" and "seq = 18" in f.evidence["sql"]
+    # what the analysis prints: the cause first, the crash the launcher saw after it says so
+    crash = _log(j, -1, "rank_failure", "error", 19_000_000, SUMMARY.replace("rank      : 9", "rank      : 0"))
+    store.write("log_events", [crash])
+    ordered = analyze_job(store, j, 0)
+    assert ordered[0].kind == "size_mismatch"
+    c = next(x for x in ordered if x.kind == "crash")
+    assert "after the size mismatch at collective #18" in c.title and c.evidence["after"] == f.id
+
+
+def test_a_different_collective_is_a_desync_and_a_tie_blames_both_sides(store):
+    j = "desync-job"
+    rows = [_coll(j, r, s, 64) for s in range(1, 6) for r in range(4)]
+    rows += [_coll(j, r, 6, 64, op="broadcast" if r == 2 else "all_reduce") for r in range(4)]
+    rows += [_coll(j, r, s, 64, pg="1") for s in range(1, 4) for r in (0, 1)]
+    rows += [_coll(j, r, 4, 64 if r == 0 else 128, pg="1") for r in (0, 1)]
+    store.write("collectives", rows)
+    got = {f.evidence["pg"]: f for f in find_incidents(store, j) if f.kind in ("size_mismatch", "desync")}
+    assert got["0"].kind == "desync" and [s.rank for s in got["0"].suspects] == [2]
+    assert "rank 2 called broadcast" in got["0"].title
+    assert got["1"].kind == "size_mismatch" and [s.rank for s in got["1"].suspects] == [0, 1]
+    assert got["1"].confidence == 0.4 and got["1"].evidence["blamed"] == "every side (a tie)"
+    # a healthy ledger: nothing
+    store.write("collectives", [_coll("fine", r, s, 64) for s in range(1, 30) for r in range(4)])
+    assert not [f for f in find_incidents(store, "fine") if f.kind in ("size_mismatch", "desync")]

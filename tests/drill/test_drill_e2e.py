@@ -21,19 +21,19 @@ def test_quick_suite_catches_every_fault_with_no_false_alarm(tmp_path):
     r = ranklens("drill", "--store", url, "--suite", "quick", "--json", timeout=1400)
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     drills, summary = lines[:-1], lines[-1]
-    assert len(drills) == 6, r.stdout + r.stderr
+    assert len(drills) == 7, r.stdout + r.stderr
     for d in drills:
         assert d["passed"], json.dumps(d, indent=1)
     assert r.returncode == 0, r.stderr
     assert summary["recall"] == 1.0 and summary["precision"] == 1.0
-    assert len(summary["kinds"]) == 8 and summary["ttd_p90_s"] is not None
+    assert len(summary["kinds"]) == 9 and summary["ttd_p90_s"] is not None
     print("quick suite:", json.dumps(summary), file=sys.stderr)  # the scorecard, in the CI log
     rows = (
         open_store(url, create=False)
         .query("SELECT suite, kind, detected, culprit_ok, passed FROM drills ORDER BY kind")
         .to_pylist()
     )
-    assert len(rows) == sum(len(d["faults"]) for d in drills) == 10
+    assert len(rows) == sum(len(d["faults"]) for d in drills) == 11
     assert all(x["suite"] == "quick" and x["detected"] == 1 and x["passed"] == 1 for x in rows)
 
 

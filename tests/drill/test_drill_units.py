@@ -51,7 +51,10 @@ def test_defaults_and_units():
 @pytest.mark.parametrize(
     ("spec", "says"),
     [
-        ("melt:1", "unknown kind 'melt' (kinds: slow_gpu, slow_data, hang, crash, desync, log, gpu, nan)"),
+        (
+            "melt:1",
+            "unknown kind 'melt' (kinds: slow_gpu, slow_data, hang, crash, desync, size_mismatch, log, gpu, nan)",
+        ),
         ("hang", "needs a target rank"),
         ("hang:x", "target 'x' is not a rank"),
         ("slow_gpu:1:0.9", "factor 0.9 must be > 1"),
