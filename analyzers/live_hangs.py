@@ -239,9 +239,11 @@ def detect_live_hangs(
 
     # stuck collectives: in flight somewhere for longer than the threshold
     stuck: dict[tuple[str, int], dict[int, tuple[str, int, int]]] = {}
+    # (a collective stuck half as long still counts as *blocked by* an origin: the victims entered
+    # it a moment after the origin's group stalled, and a pass between the two must still see it)
     for r in ranks.values():
         for key, info in r.pending.items():
-            if (now - info[2]) / 1e9 >= threshold_s:
+            if (now - info[2]) / 1e9 >= threshold_s / 2:
                 stuck.setdefault(key, {})[r.rank] = info
     findings: list[Finding] = []
 
@@ -294,6 +296,11 @@ def detect_live_hangs(
     roots: dict[int, list[tuple[str, int]]] = {}  # origin rank -> stuck collectives it holds up
     for key, pic in sorted(pics.items(), key=lambda kv: kv[1]["stuck_s"], reverse=True):
         pg, seq = key
+        if pic["stuck_s"] < threshold_s:  # not stuck yet by itself: only as blocked by an origin
+            for m in pic["missing"]:
+                if (root := root_of(m)) is not None and key not in roots.get(root, []):
+                    roots.setdefault(root, []).append(key)
+            continue
         distinct_ops = sorted(set(pic["ops"].values()))
         if len(distinct_ops) > 1:
             by_op: dict[str, list[int]] = {}
@@ -353,10 +360,13 @@ def detect_live_hangs(
                 roots.setdefault(root, [])
                 if key not in roots[root]:
                     roots[root].append(key)
+    # a root whose collectives are all stuck only half the threshold is not one yet
+    roots = {r: ks for r, ks in roots.items() if any(pics[k]["stuck_s"] >= threshold_s for k in ks)}
     for root, keys in roots.items():
         # The origin group: where the root is itself missing and nobody else is (the others missing
         # from a group are victims stuck elsewhere); among those, the one stuck the longest.
-        direct = [k for k in keys if root in pics[k]["missing"]] or keys
+        keys = sorted(keys, key=lambda k: -pics[k]["stuck_s"])
+        direct = [k for k in keys if root in pics[k]["missing"] and pics[k]["stuck_s"] >= threshold_s] or keys[:1]
         okey = min(direct, key=lambda k: (len(pics[k]["missing"]), -pics[k]["stuck_s"]))
         blocked = [pics[k] for k in keys if k != okey]
         findings.append(

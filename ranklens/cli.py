@@ -171,7 +171,7 @@ def demo(
         f'  {prog} sql{q} "SELECT rank, phase, round(avg(end_ns - start_ns) / 1e6, 1) AS ms FROM phases '
         f"WHERE job_id = '{result.job_id}' GROUP BY rank, phase ORDER BY phase, rank\""
     )
-    click.echo(f"  rank logs: {result.log_dir}")
+    click.echo(f"  job log: {result.log_dir}")
     if note := password_note(store.url):
         click.echo(f"  {note}")
 

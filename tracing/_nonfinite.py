@@ -36,7 +36,7 @@ class NonFiniteCheck:
         self.tracer = tracer
         self._pending: deque[tuple[int, int, int, Any, Any]] = deque()
         self._lock = threading.Lock()
-        self._reported_steps: set[int] = set()
+        self._reported_step: int | None = None  # buckets are checked in step order: one report per step
         self.reports = 0
         self.off = False
 
@@ -96,9 +96,9 @@ class NonFiniteCheck:
                 finite = bool(flag.item())
             except Exception:
                 continue
-            if finite or step in self._reported_steps:
+            if finite or step == self._reported_step:
                 continue
-            self._reported_steps.add(step)
+            self._reported_step = step
             if self.reports >= MAX_REPORTS:
                 self.tracer.count_drop("nonfinite:steps_not_reported")
                 continue

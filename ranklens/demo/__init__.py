@@ -1,27 +1,26 @@
 """``ranklens demo``: a real multi-rank training job, observed end to end.
 
-Launches N gloo ranks on this machine (a small DDP model plus an extra process group), one of
-them optionally slowed, ships their spools into the store *while the job runs*, then analyzes
-the job and returns the findings.
+Launches N gloo ranks on this machine under torchrun (a small DDP model plus an extra process
+group), traced as ``ranklens run`` traces a job, with one rank optionally slowed: a fault of the
+drill machinery (:mod:`ranklens.drill`), injected through the tracer's bootstrap, so the worker
+script has no slow path of its own. The spools are shipped into the store *while the job runs*
+and watched live; then the job is analyzed and the findings returned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ranklens.analyzers import Finding, find_stragglers, save_findings
-from ranklens.collector import Shipper
-from ranklens.config import ENV_JOB_ID, ENV_SPOOL
+from ranklens.drill.faults import DrillFault, parse_drill_fault
 from ranklens.errors import ConfigError, RanklensError
 from ranklens.store.api import Store
 
@@ -43,13 +42,8 @@ class DemoResult:
     wall_s: float
     rows: dict[str, int]
     findings: list[Finding] = field(default_factory=list)
-    log_dir: str = ""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    log_dir: str = ""  # the job's log file (every rank's output, as torchrun prints it)
+    drill: Any = None  # the drill's result (ranklens.drill.runner.DrillResult): the fault's scorecard
 
 
 def run_demo(
@@ -85,48 +79,23 @@ def run_demo(
         if not 0 <= slow_from_step < steps:
             raise ConfigError(f"--slow-from-step {slow_from_step} must be in 0..{steps - 1}")
     job_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    work = Path(tempfile.mkdtemp(prefix="ranklens-demo-"))
-    spool = work / "spool"
-    logs = work / "logs"
-    logs.mkdir(parents=True)
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(ranks),
-        ENV_JOB_ID: job_id,
-        ENV_SPOOL: str(spool),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
-    args = ["--steps", str(steps), "--compute-ms", str(compute_ms)]
-    if slow_rank is not None:
-        args += [
-            "--slow-rank",
-            str(slow_rank),
-            "--slowdown",
-            str(slowdown),
-            "--slow-from-step",
-            str(slow_from_step),
-            "--slow-phase",
-            slow_phase,
-        ]
-    procs = []
-    start = time.monotonic()
-    for r in range(ranks):
-        out = open(logs / f"rank{r}.log", "w")
-        procs.append(
-            (
-                subprocess.Popen(
-                    [sys.executable, "-m", "ranklens.demo.worker", *args],
-                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=work,
-                ),
-                out,
-            )
-        )
+    # the job is the demo worker under torchrun, traced as `ranklens run` traces it; the slowed
+    # rank is a fault the drill injects (ranklens/drill/inject.py), so the worker has no slow path
+    faults = [] if slow_rank is None else [_fault(slow_rank, slowdown, slow_from_step, compute_ms, slow_phase)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "-m",
+        "ranklens.demo.worker",
+        "--steps",
+        str(steps),
+        "--compute-ms",
+        str(compute_ms),
+    ]
     log(
         f"job {job_id}: {ranks} ranks x {steps} steps on gloo"
         + (
@@ -135,54 +104,73 @@ def run_demo(
             else ", healthy"
         )
     )
+    state = {"last": 0}
 
-    # Ship spools into the store while the job runs (the live path).
-    shipper = Shipper(spool, store)
-    loop = shipper.start(interval_s=0.5)
-    failed = None
-    last_step = 0
-    try:
-        while any(p.poll() is None for p, _ in procs):
-            if time.monotonic() - start > timeout_s:
-                failed = f"timed out after {timeout_s:.0f} s"
-                break
-            if any(p.poll() not in (None, 0) for p, _ in procs):
-                failed = "a rank failed"
-                time.sleep(2.0)  # let the others notice and exit
-                break
-            if on_step:
-                s = _last_step(logs / "rank0.log")
-                if s > last_step:
-                    last_step = s
-                    on_step(s)
-            time.sleep(0.2)
-    finally:
-        for p, out in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            out.close()
-    codes = {r: p.returncode for r, (p, _) in enumerate(procs)}
-    if failed is None and any(codes.values()):
-        failed = "a rank failed"
-    loop.close(timeout_s=120)  # the last pass
-    if failed:
-        bad = [r for r, c in codes.items() if c != 0] or list(codes)
-        tail = (logs / f"rank{bad[0]}.log").read_text()[-3000:]
-        raise DemoFailed(f"the demo job {failed} (exit codes {codes}); logs in {logs}\n--- rank {bad[0]} ---\n{tail}")
+    def progress(job_log: Path) -> None:
+        s = _last_step(job_log)
+        if on_step is not None and s > state["last"]:
+            state["last"] = s
+            on_step(s)
+
+    from ranklens.drill.runner import run_drill
+
+    with _env({"OMP_NUM_THREADS": "1"}):
+        result = run_drill(
+            store,
+            command,
+            faults,
+            name="demo",
+            job_id=job_id,
+            world_size=ranks,
+            timeout_s=timeout_s,
+            require_fault=False,
+            save=False,
+            on_pass=progress,
+            log=lambda s: log(s) if s.startswith("drill: ") else None,
+        )
+    progress(Path(result.log_path))
+    if result.job_failed or result.exit_code != 0:
+        why = result.job_failed or f"exited with code {result.exit_code}"
+        try:
+            tail = Path(result.log_path).read_text(errors="replace")[-3000:]
+        except OSError:
+            tail = ""
+        raise DemoFailed(f"the demo job {why}; log {result.log_path}\n--- job log ---\n{tail}")
     findings = find_stragglers(store, job_id, 0)
     save_findings(store, findings)
-    shutil.rmtree(spool, ignore_errors=True)
     return DemoResult(
         job_id=job_id,
         ranks=ranks,
         steps=steps,
         slow_rank=slow_rank,
-        wall_s=time.monotonic() - start,
-        rows=dict(shipper.totals),
+        wall_s=result.wall_s,
+        rows=result.rows,
         findings=findings,
-        log_dir=str(logs),
+        log_dir=result.log_path,
+        drill=result,
     )
+
+
+def _fault(rank: int, slowdown: float, from_step: int, compute_ms: float, phase: str) -> DrillFault:
+    """The demo's slowed rank as a drill fault: the phase's own time (forward and backward are half
+    the compute each, data loading a quarter) stretched ``slowdown`` times from ``from_step``."""
+    base_ms = compute_ms / 4.0 if phase == "data" else compute_ms / 2.0
+    extra_ms = (slowdown - 1.0) * base_ms
+    if phase == "data":
+        return parse_drill_fault(f"slow_data:{rank}:{extra_ms:g}ms@{from_step}")
+    return parse_drill_fault(f"slow_gpu:{rank}:{extra_ms:g}ms:{phase}@{from_step}")
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in the environment the job inherits, unless already set there."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _last_step(path: Path) -> int:

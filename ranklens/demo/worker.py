@@ -1,8 +1,10 @@
 """One rank of the demo job: a small MLP trained with DDP on gloo, plus an extra process group.
 
-Run by :func:`ranklens.demo.run_demo` as ``python -m ranklens.demo.worker``; the usual
-torch.distributed variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) come from the launcher.
-The slowed rank emulates a slow device: its compute phase takes ``slowdown`` times as long.
+Run by :func:`ranklens.demo.run_demo` under torchrun (``python -m ranklens.demo.worker``); the
+usual torch.distributed variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) come from the
+launcher. The demo slows a rank with a drill fault from outside (the bootstrap injects it into the
+model's forward, ``backward()`` or the DataLoader); ``--slow-rank`` here is the same emulation for
+running the worker by hand: that rank's phase takes ``slowdown`` times as long.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, TensorDataset
 
     import ranklens.tracing as rlt
 
@@ -44,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     ddp = DDP(model, bucket_cap_mb=0.25)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(1000 + rank)
+    data = TensorDataset(
+        torch.randn(args.steps * 32, 64, generator=gen), torch.randn(args.steps * 32, 8, generator=gen)
+    )
+    batches = iter(DataLoader(data, batch_size=32))
 
     def stretch(phase: str, base_s: float) -> float:
         """The emulated device (or input) time of a phase: the same on every rank, stretched on
@@ -56,13 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         step_start = time.perf_counter()
         with rlt.step(step, samples=32):
             with rlt.phase("data"):
-                x = torch.randn(32, 64, generator=gen)
-                y = torch.randn(32, 8, generator=gen)
+                x, y = next(batches)
                 time.sleep(stretch("data", args.compute_ms / 4000.0))
             with rlt.phase("forward"):
-                t = time.perf_counter()
+                # the emulated device time first, then the model's own (a drill fault adds to it)
+                time.sleep(stretch("forward", args.compute_ms / 2000.0))
                 loss = nn.functional.mse_loss(ddp(x), y)
-                time.sleep(max(0.0, stretch("forward", args.compute_ms / 2000.0) - (time.perf_counter() - t)))
             with rlt.phase("backward"):
                 # backward compute comes before the gradient buckets are ready, so a slow backward
                 # delays this rank's DDP all-reduces

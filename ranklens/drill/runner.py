@@ -126,6 +126,7 @@ class _Output:
         self.echo = echo
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
+        self.pipe: IO[bytes] | None = None
 
     def pump(self, pipe: IO[bytes]) -> None:
         def run() -> None:
@@ -138,6 +139,7 @@ class _Output:
                     self.echo.write(chunk)
                     self.echo.flush()
 
+        self.pipe = pipe
         self.thread = threading.Thread(target=run, name="ranklens-drill-output", daemon=True)
         self.thread.start()
 
@@ -150,6 +152,8 @@ class _Output:
     def close(self) -> None:
         if self.thread is not None:
             self.thread.join(timeout=10)
+        if self.pipe is not None and (self.thread is None or not self.thread.is_alive()):
+            self.pipe.close()
         self.file.close()
 
 
@@ -244,12 +248,19 @@ def run_drill(
     save: bool = True,
     policy: Any = None,
     outbox_dir: str = "",
+    job_id: str = "",
+    require_fault: bool = True,
+    on_pass: Callable[[Path], None] | None = None,
 ) -> DrillResult:
     """Run ``command`` with ``faults`` injected; returns the scored result (stored in ``drills``).
 
     With ``policy`` (a recovery policy with executors, e.g. torchrun in-place restarts), findings are
     acted on as under ``ranklens run --recover``: a hang, crash or desync does not end the drill, the
     job is followed into its next attempt and each fault's *fault -> training resumed* time is measured.
+
+    ``job_id`` names the job (default: the drill's id); ``require_fault=False`` runs a drill with no
+    fault (every finding is then a false alarm: the healthy demo); ``on_pass`` is called with the
+    job's log file after every live pass (progress).
 
     Raises:
         ConfigError: no command, no fault, a rank outside the world (exit 2).
@@ -261,12 +272,12 @@ def run_drill(
         raise ConfigError(
             "ranklens drill needs a command after --, e.g. ranklens drill --fault hang:1@5 -- torchrun ..."
         )
-    if not faults:
+    if not faults and require_fault:
         raise ConfigError("ranklens drill needs at least one --fault (or --suite)")
     world = world_size or world_size_of(command)
     if world is not None:
         validate_targets(faults, world)
-    drill_id = f"drill-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    drill_id = job_id or f"drill-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     job_id = drill_id
     work = Path(tempfile.mkdtemp(prefix="ranklens-drill-"))
     spool, truth = work / "spool", work / "truth"
@@ -350,6 +361,8 @@ def run_drill(
                     log(f"drill: analysis pass failed (retrying): {type(e).__name__}: {e}")
                     said = type(e).__name__
                 continue
+            if on_pass is not None:
+                on_pass(out.path)
             ready, onsets = _read_truth(truth)
             if not world_checked and ready:
                 w = int(next(iter(ready.values())).get("world_size", 0))

@@ -43,3 +43,43 @@ def test_rank_that_died_waiting_in_a_collective_is_not_blamed_before_its_failed_
     )
     assert [(f.kind, [s.rank for s in f.suspects]) for f in findings] == [("hang", [1])]
     assert findings[0].evidence["cause"] == "unresponsive" and findings[0].evidence["missing"] == [1]
+
+
+def _hb2(rank: int, pending: tuple[str, int, float] | None) -> dict:
+    hb = _hb(rank, 0.2, pending=False)
+    hb.update(pgs=["0", "1", "2"], pg_entered=[9, 4, 4], pg_completed=[9, 4, 4], phase="compute")
+    if pending:
+        pg, seq, age_s = pending
+        hb.update(
+            pending_pgs=[pg], pending_seqs=[seq], pending_ops=["all_reduce"], pending_nbytes=[256],
+            pending_enter_ns=[NOW - int(age_s * S)], phase="",
+        )  # fmt: skip
+    return hb
+
+
+def test_a_group_the_origin_blocks_is_its_cascade_before_it_is_stuck_the_full_threshold(embedded_store):
+    # rank 3 stopped in compute; rank 2 has waited for it in pair_1 for 12 s; ranks 0 and 1 entered the
+    # world all_reduce a moment later (7 s ago, on a loaded host): the pass between the two thresholds
+    # still says the world group is blocked by rank 3, and blames no one in it
+    embedded_store.write(
+        "heartbeats", [_hb2(0, ("0", 10, 7)), _hb2(1, ("0", 10, 7)), _hb2(2, ("2", 5, 12)), _hb2(3, None)]
+    )
+    embedded_store.write("ranks", [{"job_id": "j", "attempt": 0, "rank": r, "world_size": 4} for r in range(4)])
+    embedded_store.write(
+        "process_groups",
+        [
+            {"job_id": "j", "attempt": 0, "pg": "0", "name": "default_pg", "ranks": [0, 1, 2, 3]},
+            {"job_id": "j", "attempt": 0, "pg": "1", "name": "pair_0", "ranks": [0, 1]},
+            {"job_id": "j", "attempt": 0, "pg": "2", "name": "pair_1", "ranks": [2, 3]},
+        ],
+    )
+    cfg = HangConfig(min_stall_s=10, heartbeat_stale_s=5, startup_stall_s=10)
+    findings = detect_live_hangs(embedded_store, "j", config=cfg, now_ns=NOW, pid_alive=lambda h, p: True)
+    assert [(f.kind, [s.rank for s in f.suspects]) for f in findings] == [("hang", [3])]
+    (f,) = findings
+    assert f.evidence["origin_group"] == "pair_1"
+    assert [(c["group"], c["waiting"]) for c in f.evidence["cascade"]] == [("default_pg", [0, 1])]
+    # and a stall shorter than the threshold everywhere is no hang at all
+    embedded_store.write("heartbeats", [dict(_hb2(2, ("2", 5, 6)), ts_ns=NOW + 1)])
+    later = detect_live_hangs(embedded_store, "j", config=cfg, now_ns=NOW + 2, pid_alive=lambda h, p: True)
+    assert later == []
