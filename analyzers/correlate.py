@@ -107,9 +107,14 @@ def related_events(
         raise ValueError(f"min_severity={min_severity!r}; allowed: {', '.join(_SEVERITY_RANK)}")
     host_list = _in_list(hosts)
     j = _esc(job_id)
+    # another job's GPU events on these hosts count from this job's first heartbeat on: an XID of a
+    # job that ended before this one started is not the origin of what happens in this one
+    began = store.query(f"SELECT min(ts_ns) FROM heartbeats WHERE job_id = '{j}'").scalar()
+    others_from = max(int(start_ns), int(began or 0))
     gpu = store.query(
         f"SELECT ts_ns, host, gpu_index, rank, kind, code, message FROM gpu_events "
-        f"WHERE ts_ns >= {int(start_ns)} AND ts_ns <= {int(end_ns)} AND (job_id = '{j}' OR host IN ({host_list})) "
+        f"WHERE ts_ns >= {int(start_ns)} AND ts_ns <= {int(end_ns)} "
+        f"AND (job_id = '{j}' OR (host IN ({host_list}) AND ts_ns >= {others_from})) "
         f"ORDER BY ts_ns LIMIT {int(limit)}"
     ).to_pylist()
     sev_ok = [s for s, r in _SEVERITY_RANK.items() if r >= _SEVERITY_RANK[min_severity]]

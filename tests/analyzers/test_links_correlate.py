@@ -126,3 +126,18 @@ def test_gpu_event_severity():
     assert gpu_event_severity("xid", 13) == "error"
     assert gpu_event_severity("ecc_dbe", 1) == "critical"
     assert gpu_event_severity("ecc_sbe", 1) == "warning"
+
+
+def test_another_jobs_xid_before_this_job_started_is_not_its_origin(embedded_store):
+    embedded_store.write_many(simulate(SimSpec(slow_nodes={5: 4.0})))
+    (f,) = find_slow_links(embedded_store, "job-links")
+    began = f.first_seen_ns - 60 * S  # the job's first heartbeat
+    embedded_store.write(
+        "heartbeats", [{"job_id": "job-links", "attempt": 0, "rank": 0, "ts_ns": began, "host": "node0"}]
+    )
+    # an earlier job's XID on the suspect node (its GPU since reset), then one during this job
+    embedded_store.write("gpu_events", [_gpu("node5", began - 2 * S, job="earlier-job")])
+    assert correlate_findings(embedded_store, [f]) == [f]
+    embedded_store.write("gpu_events", [_gpu("node5", f.first_seen_ns - 2 * S, code=48, job="other")])
+    (g,) = correlate_findings(embedded_store, [f])
+    assert [e["code"] for e in g.evidence["related_events"]] == [48]
