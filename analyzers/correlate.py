@@ -99,18 +99,20 @@ def related_events(
     hosts: Iterable[str] = (),
     min_severity: str = "error",
     limit: int = 1000,
+    job_start_ns: int | None = None,
 ) -> list[dict[str, Any]]:
     """GPU events and classified log lines of a job (or of its ``hosts``) in ``[start_ns, end_ns]``,
     at ``min_severity`` or above, oldest first. Each row: source, ts_ns, host, rank, kind, code,
-    severity, message."""
+    severity, message. Other jobs' GPU events count from ``job_start_ns`` on (default: the job's
+    first heartbeat, looked up here)."""
     if min_severity not in _SEVERITY_RANK:
         raise ValueError(f"min_severity={min_severity!r}; allowed: {', '.join(_SEVERITY_RANK)}")
     host_list = _in_list(hosts)
     j = _esc(job_id)
     # another job's GPU events on these hosts count from this job's first heartbeat on: an XID of a
     # job that ended before this one started is not the origin of what happens in this one
-    began = store.query(f"SELECT min(ts_ns) FROM heartbeats WHERE job_id = '{j}'").scalar()
-    others_from = max(int(start_ns), int(began or 0))
+    began = _job_start(store, job_id) if job_start_ns is None else job_start_ns
+    others_from = max(int(start_ns), began)
     gpu = store.query(
         f"SELECT ts_ns, host, gpu_index, rank, kind, code, message FROM gpu_events "
         f"WHERE ts_ns >= {int(start_ns)} AND ts_ns <= {int(end_ns)} "
@@ -137,6 +139,11 @@ def related_events(
         out.append(_event_row("log", e, str(e["klass"]), 0, str(e["severity"]), msg[:500]))
     out.sort(key=lambda e: (e["ts_ns"], e["source"], e["host"], e["rank"]))
     return out
+
+
+def _job_start(store: Store, job_id: str) -> int:
+    """The job's first heartbeat (0: none yet)."""
+    return int(store.query(f"SELECT min(ts_ns) FROM heartbeats WHERE job_id = '{_esc(job_id)}'").scalar() or 0)
 
 
 def _event_row(source: str, e: dict[str, Any], kind: str, code: int, severity: str, message: str) -> dict[str, Any]:
@@ -243,13 +250,23 @@ def correlate_findings(
         likely origin.
     """
     hosts_by_job: dict[str, dict[int, str]] = {}
+    start_by_job: dict[str, int] = {}
     out = []
     for f in findings:
         hosts = hosts_by_job.get(f.job_id)
         if hosts is None:
             hosts = hosts_by_job[f.job_id] = rank_hosts(store, f.job_id)
+            start_by_job[f.job_id] = _job_start(store, f.job_id)
         start, end, onset = _window(f, before_s, after_s)
         job_hosts = set(hosts.values()) | {s.node for s in f.suspects if s.node}
-        rows = related_events(store, f.job_id, start, end, hosts=job_hosts, min_severity=min_severity)
+        rows = related_events(
+            store,
+            f.job_id,
+            start,
+            end,
+            hosts=job_hosts,
+            min_severity=min_severity,
+            job_start_ns=start_by_job[f.job_id],
+        )
         out.append(_enrich(f, rows, hosts, onset, max_events) if rows else f)
     return out

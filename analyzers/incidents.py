@@ -32,6 +32,7 @@ from typing import Any
 
 from ranklens.analyzers.correlate import gpu_event_severity
 from ranklens.analyzers.findings import Finding, Suspect, finding_id
+from ranklens.analyzers.ranks import rank_hosts
 from ranklens.formats.severity import Severity
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
@@ -222,25 +223,20 @@ def _ledger_mismatches(store: Store, job_id: str, attempt: int) -> list[Finding]
         "ORDER BY first_ns LIMIT 64"
     ).to_pylist()
     out: list[Finding] = []
-    blamed: set[tuple[str, int]] = set()  # one finding per group: the first disagreement is the cause
+    blamed: set[str] = set()  # one finding per group: its first disagreement is the cause
     host: dict[int, str] | None = None
     for r in rows:
         ops = [str(o) for o in r["ops"]]
         desync = len(set(ops)) > 1
         if not desync and ops[0] not in _EQUAL_INPUTS:
             continue
-        if str(r["pg"]) in {pg for pg, _ in blamed}:
+        if str(r["pg"]) in blamed:
             continue
         by_sig: dict[tuple[str, int, str], list[int]] = {}
         for rank, op, size, dtype in zip(r["ranks"], ops, r["sizes"], r["dtypes"]):
             by_sig.setdefault((op, int(size), str(dtype)), []).append(int(rank))
         if host is None:
-            host = {
-                int(h["rank"]): str(h["host"])
-                for h in store.query(
-                    f"SELECT rank, any(host) AS host FROM ranks WHERE {where[: where.index(' AND peer')]} GROUP BY rank"
-                ).to_pylist()
-            }
+            host = rank_hosts(store, job_id, attempt)
         sides = sorted(by_sig.items(), key=lambda kv: (-len(kv[1]), sorted(kv[1])))
         major = sides[0][1]
         if len(major) > len(sides[1][1]):
@@ -259,22 +255,20 @@ def _ledger_mismatches(store: Store, job_id: str, attempt: int) -> list[Finding]
         title = f"{kind.replace('_', ' ')} at collective #{r['seq']} of pg {r['pg']}: " + "; ".join(
             side(sig, rks) for sig, rks in sides
         )
-        blamed.add((str(r["pg"]), int(r["seq"])))
+        blamed.add(str(r["pg"]))
+        suspects = [Suspect(rk, host.get(rk, "")) for rk in culprits]
         out.append(
-            Finding(
-                id=finding_id(job_id, attempt, kind, f"{r['pg']}:{r['seq']}"),
-                job_id=job_id,
-                attempt=attempt,
-                kind=kind,
-                severity=Severity.CRITICAL,
-                confidence=conf,
-                title=title,
-                suspects=tuple(Suspect(rk, host.get(rk, "")) for rk in culprits),
-                first_seen_step=int(r["step"]),
-                last_seen_step=int(r["step"]),
-                first_seen_ns=int(r["first_ns"]),
-                last_seen_ns=int(r["last_ns"]),
-                evidence={
+            _finding(
+                job_id,
+                attempt,
+                kind,
+                f"{r['pg']}:{r['seq']}",
+                "critical",
+                title,
+                suspects[0],
+                int(r["first_ns"]),
+                int(r["last_ns"]),
+                {
                     "source": "collectives",
                     "cause": kind,
                     "pg": str(r["pg"]),
@@ -289,7 +283,9 @@ def _ledger_mismatches(store: Store, job_id: str, attempt: int) -> list[Finding]
                     "sql": f"SELECT rank, op, nbytes, dtype, step FROM collectives WHERE {where} "
                     f"AND pg = '{_esc(str(r['pg']))}' AND seq = {int(r['seq'])} ORDER BY rank",
                 },
-                detector=DETECTOR,
+                extra=suspects[1:],
+                confidence=conf,
+                step=int(r["step"]),
             )
         )
     return out
@@ -398,18 +394,21 @@ def _finding(
     evidence: dict[str, object],
     *,
     extra: list[Suspect] | None = None,
+    confidence: float | None = None,
+    step: int = -1,
 ) -> Finding:
+    """A finding of this module: confidence 0.9 when critical, 0.7 otherwise, unless given."""
     return Finding(
         id=finding_id(job_id, attempt, kind, key),
         job_id=job_id,
         attempt=attempt,
         kind=kind,
         severity=Severity(severity),
-        confidence=0.9 if severity == "critical" else 0.7,
+        confidence=(0.9 if severity == "critical" else 0.7) if confidence is None else confidence,
         title=title,
         suspects=(suspect, *(extra or ())),
-        first_seen_step=-1,
-        last_seen_step=-1,
+        first_seen_step=step,
+        last_seen_step=step,
         first_seen_ns=first_ns,
         last_seen_ns=last_ns,
         evidence=dict(evidence),

@@ -294,12 +294,18 @@ def detect_live_hangs(
         return rank
 
     roots: dict[int, list[tuple[str, int]]] = {}  # origin rank -> stuck collectives it holds up
+
+    def held_up(key: tuple[str, int]) -> None:
+        """``key`` waits for its missing ranks: file it under the origin each leads to."""
+        for m in pics[key]["missing"]:
+            root = root_of(m)
+            if root is not None and key not in roots.setdefault(root, []):
+                roots[root].append(key)
+
     for key, pic in sorted(pics.items(), key=lambda kv: kv[1]["stuck_s"], reverse=True):
         pg, seq = key
         if pic["stuck_s"] < threshold_s:  # not stuck yet by itself: only as blocked by an origin
-            for m in pic["missing"]:
-                if (root := root_of(m)) is not None and key not in roots.get(root, []):
-                    roots.setdefault(root, []).append(key)
+            held_up(key)
             continue
         distinct_ops = sorted(set(pic["ops"].values()))
         if len(distinct_ops) > 1:
@@ -354,12 +360,7 @@ def detect_live_hangs(
                 )
             )
             continue
-        for m in pic["missing"]:
-            root = root_of(m)
-            if root is not None:
-                roots.setdefault(root, [])
-                if key not in roots[root]:
-                    roots[root].append(key)
+        held_up(key)
     # a root whose collectives are all stuck only half the threshold is not one yet
     roots = {r: ks for r, ks in roots.items() if any(pics[k]["stuck_s"] >= threshold_s for k in ks)}
     for root, keys in roots.items():

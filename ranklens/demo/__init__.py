@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from typing import Any
 
 from ranklens.analyzers import Finding, find_stragglers, save_findings
 from ranklens.drill.faults import DrillFault, parse_drill_fault
+from ranklens.drill.suites import standalone_command
 from ranklens.errors import ConfigError, RanklensError
 from ranklens.store.api import Store
 
@@ -82,20 +82,7 @@ def run_demo(
     # the job is the demo worker under torchrun, traced as `ranklens run` traces it; the slowed
     # rank is a fault the drill injects (ranklens/drill/inject.py), so the worker has no slow path
     faults = [] if slow_rank is None else [_fault(slow_rank, slowdown, slow_from_step, compute_ms, slow_phase)]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(ranks),
-        "-m",
-        "ranklens.demo.worker",
-        "--steps",
-        str(steps),
-        "--compute-ms",
-        str(compute_ms),
-    ]
+    command = standalone_command("ranklens.demo.worker", ranks, "--steps", str(steps), "--compute-ms", str(compute_ms))
     log(
         f"job {job_id}: {ranks} ranks x {steps} steps on gloo"
         + (

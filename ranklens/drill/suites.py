@@ -22,6 +22,7 @@ a desync and a crash on a job torch elastic may restart) needs ``--recover POLIC
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,15 +32,12 @@ import tomllib
 from ranklens.drill.faults import DrillFault, parse_drill_fault
 from ranklens.errors import ConfigError
 
-__all__ = ["QUICK", "RECOVERY", "Drill", "Suite", "load_suite", "quick_command"]
+__all__ = ["QUICK", "RECOVERY", "Drill", "Suite", "load_suite", "quick_command", "standalone_command"]
 
 
-def quick_command(steps: int = 40, ranks: int = 4, *, restarts: int = 0) -> list[str]:
-    """The built-in job: 4 gloo ranks of :mod:`ranklens.drill.workload` (no ranklens code); with
-    ``restarts``, torch elastic may restart the worker group that often and the job checkpoints in
-    the drill's directory every 5 steps (a restarted attempt resumes from it)."""
-    elastic = ["--max-restarts", str(restarts)] if restarts else []
-    ckpt = ["--checkpoint", "{drill_dir}/checkpoint.pt"] if restarts else []
+def standalone_command(module: str, ranks: int, *args: str, elastic: Sequence[str] = ()) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node RANKS [ELASTIC] -m MODULE ARGS``:
+    a one-node torchrun job of this interpreter."""
     return [
         sys.executable,
         "-m",
@@ -49,11 +47,18 @@ def quick_command(steps: int = 40, ranks: int = 4, *, restarts: int = 0) -> list
         str(ranks),
         *elastic,
         "-m",
-        "ranklens.drill.workload",
-        "--steps",
-        str(steps),
-        *ckpt,
+        module,
+        *args,
     ]
+
+
+def quick_command(steps: int = 40, ranks: int = 4, *, restarts: int = 0) -> list[str]:
+    """The built-in job: 4 gloo ranks of :mod:`ranklens.drill.workload` (no ranklens code); with
+    ``restarts``, torch elastic may restart the worker group that often and the job checkpoints in
+    the drill's directory every 5 steps (a restarted attempt resumes from it)."""
+    elastic = ["--max-restarts", str(restarts)] if restarts else []
+    ckpt = ["--checkpoint", "{drill_dir}/checkpoint.pt"] if restarts else []
+    return standalone_command("ranklens.drill.workload", ranks, "--steps", str(steps), *ckpt, elastic=elastic)
 
 
 @dataclass(frozen=True)
