@@ -17,7 +17,8 @@ __all__ = ["drill_command"]
 
 _HELP = """Run a training command with faults injected (no change to the script) and score detection.
 
-Each --fault is KIND:RANK[:SEVERITY][@STEP or @SECONDSs]:
+Each --fault is KIND:TARGET[:SEVERITY][@STEP or @SECONDSs]; TARGET is a rank (2) or a node
+(node1: torchrun's --node-rank, every rank of that node; not for desync, size_mismatch, nan):
 
 \b
   slow_gpu:2:1.5@8        rank 2's steps take 50% longer from step 8 (or 40ms;
@@ -30,22 +31,33 @@ Each --fault is KIND:RANK[:SEVERITY][@STEP or @SECONDSs]:
   log:0:nccl_error@6      rank 0 logs an NCCL error (nccl_timeout, cuda_oom, xid)
   gpu:3:79@6              XID 79 on rank 3's GPU (a fake NVML on machines without GPUs)
   nan:1@10                rank 1's loss is NaN at step 10
+  hang:node1@6            every rank of node 1 stops (also slow_gpu, slow_data, crash, log, gpu)
+  slow_link:node2:40mbit@8
+                          node 2's network link limited to 40 Mbit/s with tc from step 8 (a tc
+                          rate: kbit, mbit, gbit, or bytes: kbps, mbps). Needs root and iproute2:
+                          the drill builds a network-namespace bed (one namespace per node, host
+                          name node<k>) and starts one torchrun agent per node (--nnodes N, default
+                          3, --node-rank k); the command must be torchrun; exit 2 where the bed
+                          cannot be built. Detected by a slow_link finding naming node 2 or a link
+                          touching it.
 
 Steps are optimizer steps. The command runs as under `ranklens run`; without one, the built-in
-job (4 gloo ranks of ranklens.drill.workload, a plain DDP script) runs. Findings are watched live
-(the loop of `analyze --follow`): a fault is detected when a finding names its rank; time to
+job (4 gloo ranks of ranklens.drill.workload, a plain DDP script; with a slow_link, 3 nodes x 1
+rank exchanging 1 MiB per forward in each cross-node pair group) runs. Findings are watched live
+(the loop of `analyze --follow`): a fault is detected when a finding names its target; time to
 detect runs from its onset to the first pass showing it. A finding no fault explains is a false
 alarm. A hang, crash, desync or size mismatch ends the job once detected (or --detect-timeout after onset).
 
---suite quick runs the built-in suite (7 jobs, 9 fault kinds, a few minutes); --suite FILE a TOML
-file of [[drill]] tables (name, faults, command). Results go to the `drills` table.
+--suite quick runs the built-in suite (7 jobs, 9 fault kinds, a few minutes); --suite network a
+throttled link on the network bed (root); --suite FILE a TOML file of [[drill]] tables (name,
+faults, command). Results go to the `drills` table.
 
 With --recover POLICY the findings are acted on (deploy/policies/torchrun-restart.toml: torch
 elastic restarts the worker group in place); a hang, crash or desync then passes only when
 training resumed (the next attempt's first step), and the scorecard says after how long.
 --suite recovery runs a hang, a desync and a crash that way.
 
-Exit 0 when every fault was detected with the right rank and kind and nothing else was found;
+Exit 0 when every fault was detected with the right target and kind and nothing else was found;
 9 otherwise (a missed fault, a wrong culprit or kind, a false alarm, a job that failed by itself).
 """
 
@@ -127,7 +139,9 @@ def suite_summary(results: list[Any]) -> dict[str, Any]:
 @click.command("drill", epilog=EPILOG, help=_HELP, context_settings={"ignore_unknown_options": True})
 @store_option
 @click.option("--fault", "faults", multiple=True, metavar="SPEC", help="A fault to inject (repeatable).")
-@click.option("--suite", default=None, metavar="NAME|FILE", help="Run a suite: quick, or a TOML file.")
+@click.option(
+    "--suite", default=None, metavar="NAME|FILE", help="Run a suite: quick, network, recovery, or a TOML file."
+)
 @click.option(
     "--world",
     type=int,
@@ -185,7 +199,7 @@ def drill_command(
     command: tuple[str, ...],
 ) -> None:
     from ranklens.drill.faults import parse_drill_fault
-    from ranklens.drill.suites import Drill, load_suite, quick_command
+    from ranklens.drill.suites import Drill, default_command, load_suite
 
     if suite and faults:
         raise ConfigError("--fault and --suite: give one (a suite file lists its own faults)")
@@ -213,15 +227,13 @@ def drill_command(
         suite_name, timeout = s.name, timeout_s if timeout_s is not None else s.timeout_s
     else:
         parsed = tuple(parse_drill_fault(f) for f in faults)
-        drills = [Drill("", parsed, cmd or tuple(quick_command()))]
+        drills = [Drill("", parsed, cmd or tuple(default_command(parsed)))]
         suite_name, timeout = "", timeout_s if timeout_s is not None else 600.0
-    if world is None and not cmd and (suite in ("quick", "recovery") or not suite):
-        world = 4  # the built-in job
-    if world is not None:
-        from ranklens.drill.faults import validate_targets
+    from ranklens.drill.faults import validate_targets
+    from ranklens.drill.runner import job_shape
 
-        for d in drills:
-            validate_targets(list(d.faults), world)
+    for d in drills:  # every target checked before any job starts (on the network bed: its size)
+        validate_targets(list(d.faults), *job_shape(d.command, d.faults, world))
 
     from ranklens.cli import _open
     from ranklens.drill.runner import run_drill

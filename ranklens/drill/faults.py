@@ -1,9 +1,13 @@
 """The drill's faults: kinds, the ``KIND:TARGET[:SEVERITY[:PHASE]][@ONSET]`` grammar, validation.
 
-The grammar is ``ranklens simulate``'s (``slow_gpu:2:1.5@5``), extended with the kinds a real job
-can be broken with and an onset in seconds (``@20s``). Every fault targets one rank. What each
-kind does inside the rank is :mod:`ranklens.drill.inject`; what finding detects it,
-:mod:`ranklens.drill.score`.
+The grammar is ``ranklens simulate``'s (``slow_gpu:2:1.5@5``, ``slow_link:node0001:3``), extended
+with the kinds a real job can be broken with and an onset in seconds (``@20s``). A target is a rank
+(``2``) or a node (``node1``, also ``node0001`` as the simulator writes hosts): torch elastic's node
+rank (``GROUP_RANK``, ``--node-rank``), so a node fault hits every rank of that node. ``slow_link``
+targets a node only (``3`` is node 3 there, as in the simulator); a desync, a size mismatch and a
+NaN loss are one rank's doing and refuse a node. What each kind does inside the rank is
+:mod:`ranklens.drill.inject` (``slow_link``: :mod:`ranklens.drill.network`, tc on the node's link);
+what finding detects it, :mod:`ranklens.drill.score`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 from ranklens.errors import ConfigError
 
-__all__ = ["KINDS", "DrillFault", "DrillKind", "parse_drill_fault", "validate_targets"]
+__all__ = ["KINDS", "NODE_KINDS", "DrillFault", "DrillKind", "parse_drill_fault", "rate_bps", "validate_targets"]
 
 
 class DrillKind(str, Enum):
@@ -29,6 +33,7 @@ class DrillKind(str, Enum):
     LOG = "log"  # error lines in a rank's log (NCCL error, CUDA OOM, XID, NCCL timeout)
     GPU = "gpu"  # an XID event on the rank's GPU, through the fake NVML
     NAN = "nan"  # the rank's loss turns NaN (its model's output, one step)
+    SLOW_LINK = "slow_link"  # a node's network link throttled with tc (the drill's network-namespace bed)
 
 
 KINDS = tuple(k.value for k in DrillKind)
@@ -36,6 +41,19 @@ PHASES = ("forward", "backward", "optimizer")
 LOG_CLASSES = ("nccl_error", "nccl_timeout", "cuda_oom", "xid")
 # kinds that stop the job: the drill ends it once they are detected (or their deadline passed)
 FATAL = {DrillKind.HANG, DrillKind.CRASH, DrillKind.DESYNC, DrillKind.SIZE_MISMATCH}
+#: kinds that may target a node (every rank of it); slow_link targets nothing else
+NODE_KINDS = {
+    DrillKind.SLOW_GPU,
+    DrillKind.SLOW_DATA,
+    DrillKind.HANG,
+    DrillKind.CRASH,
+    DrillKind.LOG,
+    DrillKind.GPU,
+    DrillKind.SLOW_LINK,
+}
+DEFAULT_RATE = "40mbit"
+# tc's rate units (tc-tbf(8)): bit/kbit/mbit/gbit are bits per second, bps/kbps/mbps/gbps bytes per second
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 
 _EXAMPLES = {
     DrillKind.SLOW_GPU: "slow_gpu:2:1.5@5 (50% slower steps from step 5; or 40ms; :optimizer for that phase)",
@@ -47,6 +65,7 @@ _EXAMPLES = {
     DrillKind.LOG: "log:0:nccl_error@4 (nccl_error, nccl_timeout, cuda_oom or xid)",
     DrillKind.GPU: "gpu:2:79@4 (XID 79 on rank 2's GPU)",
     DrillKind.NAN: "nan:1@6 (rank 1's loss is NaN at step 6)",
+    DrillKind.SLOW_LINK: "slow_link:node2:40mbit@8 (node 2's network link limited to 40 Mbit/s from step 8)",
 }
 
 
@@ -56,14 +75,16 @@ class DrillFault:
 
     Attributes:
         kind: what is broken.
-        rank: the rank it is injected into.
+        rank: the rank it is injected into (-1: a node fault).
         severity: slow_gpu: a step-time factor (> 1) or, with ``unit == "ms"``, milliseconds per
             step; slow_data: seconds per batch; hang: seconds (inf: until the drill ends the job);
-            crash: the exit code (``unit == "kill"``: SIGKILL); gpu: the XID; others: unused.
+            crash: the exit code (``unit == "kill"``: SIGKILL); gpu: the XID; slow_link: the rate in
+            bits per second; others: unused.
         unit: ``""``, ``"ms"`` or ``"kill"``.
-        phase: slow_gpu's phase; log's class (``detail``).
+        detail: slow_gpu's phase; log's class; slow_link's rate as tc writes it (``40mbit``).
         onset_step: first affected step (optimizer steps completed on the rank), or -1.
         onset_s: seconds after the rank's process group started, or -1 (then ``onset_step``).
+        node: the node it targets (torch elastic's node rank), -1: a rank fault.
     """
 
     kind: DrillKind
@@ -73,12 +94,18 @@ class DrillFault:
     detail: str = ""
     onset_step: int = 0
     onset_s: float = -1.0
+    node: int = -1
+
+    @property
+    def target(self) -> str:
+        """``2`` (a rank) or ``node1`` (a node)."""
+        return f"node{self.node}" if self.node >= 0 else str(self.rank)
 
     @property
     def spec(self) -> str:
         """The canonical spec string (parses back to the same fault)."""
-        parts = [self.kind.value, str(self.rank)]
-        if self.kind is DrillKind.LOG:
+        parts = [self.kind.value, self.target]
+        if self.kind in (DrillKind.LOG, DrillKind.SLOW_LINK):
             parts.append(self.detail)
         elif self.kind is DrillKind.CRASH and self.unit == "kill":
             parts.append("kill")
@@ -114,6 +141,7 @@ class DrillFault:
             str(d.get("detail", "")),
             int(d.get("onset_step", 0)),
             float(d.get("onset_s", -1.0)),
+            int(d.get("node", -1)),
         )
 
 
@@ -128,7 +156,9 @@ def _number(text: str, bad: Any, what: str) -> float:
 
 
 def parse_drill_fault(spec: str) -> DrillFault:
-    """Parse ``KIND:RANK[:SEVERITY[:PHASE]][@STEP|@SECONDSs]`` into a :class:`DrillFault`.
+    """Parse ``KIND:TARGET[:SEVERITY[:PHASE]][@STEP|@SECONDSs]`` into a :class:`DrillFault`.
+
+    TARGET is a rank (``2``) or a node (``node1``; for ``slow_link`` also ``1``).
 
     Raises:
         ConfigError: naming the spec, the bad part, what is allowed and an example (exit 2).
@@ -139,7 +169,8 @@ def parse_drill_fault(spec: str) -> DrillFault:
     def bad(why: str) -> ConfigError:
         example = _EXAMPLES[kind] if kind else "slow_gpu:2:1.5@5"
         return ConfigError(
-            f"fault {text!r}: {why}; the form is KIND:RANK[:SEVERITY][@STEP or @SECONDSs], e.g. {example}"
+            f"fault {text!r}: {why}; the form is KIND:TARGET[:SEVERITY][@STEP or @SECONDSs] "
+            f"(TARGET a rank, 2, or a node, node1), e.g. {example}"
         )
 
     body, onset_step, onset_s = text, 0, -1.0
@@ -159,10 +190,20 @@ def parse_drill_fault(spec: str) -> DrillFault:
     except ValueError:
         raise bad(f"unknown kind {fields[0]!r} (kinds: {', '.join(KINDS)})") from None
     if len(fields) < 2 or not fields[1]:
-        raise bad(f"{kind.value} needs a target rank")
-    if not re.fullmatch(r"\d+", fields[1]):
-        raise bad(f"target {fields[1]!r} is not a rank (an integer >= 0)")
-    rank = int(fields[1])
+        raise bad(f"{kind.value} needs a target: " + ("a node (node2)" if kind is DrillKind.SLOW_LINK else "a rank"))
+    rank, node = -1, -1
+    m_node = re.fullmatch(r"node0*(\d+)", fields[1].lower())
+    if m_node:
+        node = int(m_node.group(1))
+    elif re.fullmatch(r"\d+", fields[1]):
+        if kind is DrillKind.SLOW_LINK:
+            node = int(fields[1])  # a link belongs to a node: 3 is node 3 (the simulator's grammar)
+        else:
+            rank = int(fields[1])
+    else:
+        raise bad(f"target {fields[1]!r} is neither a rank (an integer >= 0) nor a node (node1, node0001)")
+    if node >= 0 and kind not in NODE_KINDS:
+        raise bad(f"{kind.value} is one rank's doing: its target must be a rank, not {fields[1]!r}")
     rest = fields[2:]
     max_fields = (
         2
@@ -220,17 +261,41 @@ def parse_drill_fault(spec: str) -> DrillFault:
             severity = float(sev_text)
         else:
             raise bad(f"XID {sev_text!r} is not a positive integer")
-    return DrillFault(kind, rank, severity, unit, detail, onset_step if onset_s < 0 else -1, onset_s)
+    elif kind is DrillKind.SLOW_LINK:
+        detail = (sev_text or DEFAULT_RATE).lower()
+        bps = rate_bps(detail)
+        if bps is None:
+            raise bad(
+                f"rate {sev_text!r} is not a tc rate (a number with {', '.join(_RATE_UNITS)}, e.g. 40mbit); "
+                "a real link is throttled to a rate, not by the simulator's factor"
+            )
+        severity = bps
+    return DrillFault(kind, rank, severity, unit, detail, onset_step if onset_s < 0 else -1, onset_s, node)
 
 
-def validate_targets(faults: list[DrillFault], world_size: int) -> None:
-    """Every fault's rank must be a rank of a ``world_size``-rank job.
+def rate_bps(text: str) -> float | None:
+    """Bits per second of a tc rate (``40mbit``, ``5mbps``), None when it is not one (or not > 0)."""
+    m = re.fullmatch(r"(\d+(?:\.\d*)?)\s*([a-z]+)", text.strip().lower())
+    if not m or m.group(2) not in _RATE_UNITS:
+        return None
+    v = float(m.group(1)) * _RATE_UNITS[m.group(2)]
+    return v if v > 0 else None
+
+
+def validate_targets(faults: list[DrillFault], world_size: int | None, nodes: int | None = None) -> None:
+    """Every fault's rank must be a rank of a ``world_size``-rank job, every node target a node of a
+    ``nodes``-node job (None: not known, not checked).
 
     Raises:
-        ConfigError: naming the fault, its rank and the ranks there are.
+        ConfigError: naming the fault, its target and the ranks or nodes there are.
     """
     for f in faults:
-        if not 0 <= f.rank < world_size:
+        if f.node < 0 and world_size is not None and not 0 <= f.rank < world_size:
             raise ConfigError(
                 f"fault {f.spec!r}: rank {f.rank} is not a rank of this {world_size}-rank job (0..{world_size - 1})"
             )
+        if f.node >= 0 and nodes is not None and f.node >= nodes:
+            allowed = "node0" if nodes == 1 else f"node0..node{nodes - 1}"
+            raise ConfigError(f"fault {f.spec!r}: node {f.node} is not a node of this {nodes}-node job ({allowed})")
+        if f.kind is DrillKind.SLOW_LINK and nodes is not None and nodes < 2:
+            raise ConfigError(f"fault {f.spec!r}: a slow link needs a job of 2 nodes or more (this one has {nodes})")

@@ -20,8 +20,13 @@ phase the tracer sees:
 - **desync**: the rank's next ``torch.distributed.all_reduce`` becomes a ``broadcast`` from rank
   0 of the same group (what a rank that took another code path does).
 
-Each rank appends its ground truth to ``<truth>/rank<R>.jsonl``: ``ready`` (pid, local rank,
-world size), then ``onset`` with the exact time each fault started. Nothing here raises into the
+A fault on a node (``hang:node1``) is every rank's of that node: torch elastic's node rank
+(``GROUP_RANK``) says which node a rank is on. A ``slow_link`` is not the rank's to inject: the
+node's ranks report ``due`` when its onset is reached and the drill throttles the link
+(:mod:`ranklens.drill.network`), recording the onset itself.
+
+Each rank appends its ground truth to ``<truth>/rank<R>.jsonl``: ``ready`` (pid, local rank, node,
+host, world size), then ``onset`` with the exact time each fault started. Nothing here raises into the
 training script except the faults themselves.
 """
 
@@ -33,13 +38,12 @@ import logging
 import math
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from typing import Any
 
-from ranklens.config import ENV_ATTEMPT, ENV_DRILL
+from ranklens.config import ENV_ATTEMPT, ENV_DRILL, node_name
 from ranklens.drill.faults import DrillFault, DrillKind
 
 __all__ = ["ENV_DRILL", "after_init", "before_init", "log_lines"]
@@ -94,11 +98,12 @@ class _Injector:
         self.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         self.world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        self.node = int(os.environ.get("GROUP_RANK", "0") or 0)  # torch elastic's node rank
         self.truth_dir = str(plan["truth_dir"])
         self.faults = [(i, DrillFault.from_json(d)) for i, d in enumerate(plan["faults"])]
         # faults break the first attempt only: a restarted worker group (torch elastic) runs clean
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(ENV_ATTEMPT) or 0)
-        self.mine = [(i, f) for i, f in self.faults if f.rank == self.rank] if self.attempt == 0 else []
+        self.mine = [(i, f) for i, f in self.faults if self._targets_me(f)] if self.attempt == 0 else []
         self.t0 = time.time()
         self.step = 0  # completed optimizer steps
         self.step_ends: list[float] = []
@@ -109,6 +114,7 @@ class _Injector:
         self._applied_step: dict[tuple[int, str], int] = {}
         self._desync_armed = False
         self._armed: set[int] = set()
+        self._reported: set[int] = set()  # slow_link faults reported due
         self._lock = threading.Lock()
         self._record(
             {
@@ -117,10 +123,14 @@ class _Injector:
                 "attempt": self.attempt,
                 "world_size": self.world,
                 "local_rank": self.local_rank,
+                "node": self.node,
                 "pid": os.getpid(),
-                "host": socket.gethostname(),
+                "host": node_name(),  # as the tracer records it (ranks.host)
             }
         )
+
+    def _targets_me(self, f: DrillFault) -> bool:
+        return f.node == self.node if f.node >= 0 else f.rank == self.rank
 
     # --- ground truth -------------------------------------------------------------------------
 
@@ -176,6 +186,11 @@ class _Injector:
     def _at_step_start(self) -> None:
         for i, f in self.mine:
             if f.kind in (DrillKind.SLOW_GPU, DrillKind.SLOW_DATA, DrillKind.NAN) or not self._due(f):
+                continue
+            if f.kind is DrillKind.SLOW_LINK:  # the drill throttles the link and records the onset
+                if i not in self._reported:
+                    self._reported.add(i)
+                    self._record({"event": "due", "fault": i, "step": self.step, "spec": f.spec})
                 continue
             if f.kind in (DrillKind.DESYNC, DrillKind.SIZE_MISMATCH):
                 if not self._desync_armed and i not in self.started and i not in self._armed:

@@ -30,15 +30,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from ranklens.collector import Shipper
-from ranklens.config import ENV_FR_STUCK_S, node_name
+from ranklens.config import ENV_FR_STUCK_S, ENV_HOST, node_name
 from ranklens.drill.faults import DrillFault, DrillKind, validate_targets
 from ranklens.drill.inject import ENV_DRILL
-from ranklens.drill.score import FaultScore, Onset, Seen, costless, score
+from ranklens.drill.score import FaultScore, Onset, Seen, Target, costless, score
 from ranklens.errors import ConfigError
 from ranklens.launch import traced_env
 from ranklens.store.api import Store
 
-__all__ = ["DrillResult", "run_drill", "world_size_of"]
+__all__ = ["DrillResult", "job_shape", "nodes_of", "run_drill", "world_size_of"]
 
 
 @dataclass
@@ -114,6 +114,54 @@ def world_size_of(command: Sequence[str]) -> int | None:
     return nproc * nnodes if nproc else None
 
 
+def nodes_of(command: Sequence[str]) -> int | None:
+    """The nodes a torchrun command asks for: its ``--nnodes N`` (1 without one), None when the
+    command is not torchrun or the number is not fixed (``1:4``)."""
+    from ranklens.drill.network import torchrun_prefix
+
+    if torchrun_prefix(command) is None:
+        return None
+    args = list(command)
+    for i, a in enumerate(args):
+        val = args[i + 1] if a == "--nnodes" and i + 1 < len(args) else None
+        val = a.split("=", 1)[1] if a.startswith("--nnodes=") else val
+        if val is not None:
+            return int(val) if re.fullmatch(r"\d+", val) else None
+    return 1
+
+
+def job_shape(
+    command: Sequence[str], faults: Sequence[DrillFault], world_size: int | None = None
+) -> tuple[int | None, int | None]:
+    """(world size, nodes) of a drill's job, None where not known: on the network bed (a slow_link
+    fault) the bed's nodes (the command's ``--nnodes``, default 3) times its ``--nproc-per-node``.
+
+    Raises:
+        ConfigError: a slow_link drill whose command is not torchrun, or has no fixed node count.
+    """
+    from ranklens.drill.network import needs_bed, node_count
+
+    if not needs_bed(faults):
+        return world_size or world_size_of(command), nodes_of(command)
+    nodes = node_count(command)
+    per_node = world_size_of(command)
+    if world_size is None and per_node is not None:
+        world_size = per_node * nodes // max(1, nodes_of(command) or 1)
+    return world_size, nodes
+
+
+def _node_targets(ready: dict[int, dict[str, Any]]) -> dict[int, Target]:
+    """Node index -> its ranks and host, from the ranks' ``ready`` records."""
+    ranks: dict[int, set[int]] = {}
+    hosts: dict[int, set[str]] = {}
+    for r, rec in ready.items():
+        k = int(rec.get("node", 0))
+        ranks.setdefault(k, set()).add(int(r))
+        if rec.get("host"):
+            hosts.setdefault(k, set()).add(str(rec["host"]))
+    return {k: Target(frozenset(v), frozenset(hosts.get(k, ()))) for k, v in ranks.items()}
+
+
 class _Output:
     """The command's output: to a file, filtered at the source into log events, optionally echoed."""
 
@@ -177,9 +225,12 @@ class _FakeGpus:
                 self.nvml.gpus[i].processes = [(int(rec["pid"]), 1 << 30)]
         for i, f in enumerate(faults):
             if f.kind is DrillKind.GPU and i in onsets and i not in self.raised:
-                owner = ready.get(f.rank)
-                if owner is not None:
+                # the rank's GPU; a node fault: every GPU of the node's ranks
+                owners = [ready[f.rank]] if f.node < 0 and f.rank in ready else []
+                owners += [r for r in ready.values() if f.node >= 0 and int(r.get("node", 0)) == f.node]
+                for owner in owners:
                     self.nvml.inject_xid(int(owner.get("local_rank", 0)), int(f.severity))
+                if owners:
                     self.raised.add(i)
 
     def close(self) -> None:
@@ -198,7 +249,7 @@ class _FakeGpus:
 def _read_truth(truth: Path) -> tuple[dict[int, dict[str, Any]], dict[int, Onset]]:
     ready: dict[int, dict[str, Any]] = {}
     onsets: dict[int, Onset] = {}
-    for p in truth.glob("rank*.jsonl"):
+    for p in truth.glob("*.jsonl"):  # rank<R>.jsonl, and link.jsonl: the slow links' onsets
         try:
             lines = p.read_text().splitlines()
         except OSError:
@@ -265,8 +316,7 @@ def run_drill(
     Raises:
         ConfigError: no command, no fault, a rank outside the world (exit 2).
     """
-    from ranklens.drill.store import save_drill
-    from ranklens.recover import RecoverySupervisor, recovery_times
+    from ranklens.drill.network import LinkBed, needs_bed
 
     if not command:
         raise ConfigError(
@@ -274,9 +324,42 @@ def run_drill(
         )
     if not faults and require_fault:
         raise ConfigError("ranklens drill needs at least one --fault (or --suite)")
-    world = world_size or world_size_of(command)
-    if world is not None:
-        validate_targets(faults, world)
+    on_bed = needs_bed(faults)
+    world, nodes = job_shape(command, faults, world_size)
+    validate_targets(faults, world, nodes)
+    args = dict(
+        name=name, world=world, timeout_s=timeout_s, detect_timeout_s=detect_timeout_s, interval_s=interval_s,
+        echo=echo, log=log, save=save, policy=policy, outbox_dir=outbox_dir, job_id=job_id, on_pass=on_pass,
+    )  # fmt: skip
+    if not on_bed:
+        return _run(store, list(command), faults, None, **args)
+    with LinkBed(nodes, log=log) as bed:  # removed on every way out, signals included
+        return _run(store, list(command), faults, bed, **args)
+
+
+def _run(
+    store: Store,
+    command: list[str],
+    faults: list[DrillFault],
+    bed: Any,
+    *,
+    name: str,
+    world: int | None,
+    timeout_s: float,
+    detect_timeout_s: float,
+    interval_s: float,
+    echo: IO[bytes] | None,
+    log: Callable[[str], None],
+    save: bool,
+    policy: Any,
+    outbox_dir: str,
+    job_id: str,
+    on_pass: Callable[[Path], None] | None,
+) -> DrillResult:
+    from ranklens.drill.network import Throttler, agent_commands
+    from ranklens.drill.store import save_drill
+    from ranklens.recover import RecoverySupervisor, recovery_times
+
     drill_id = job_id or f"drill-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     job_id = drill_id
     work = Path(tempfile.mkdtemp(prefix="ranklens-drill-"))
@@ -292,10 +375,19 @@ def run_drill(
         env.setdefault(ENV_FR_STUCK_S, "5")
     env[ENV_DRILL] = str(plan)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    host = node_name()
-    out = _Output(work / "job.log", echo)
+    # what to start: the command, or on the network bed one torchrun agent per node (its own output)
+    launches: list[tuple[list[str], dict[str, str], str, _Output]] = []
+    if bed is None:
+        launches.append((command, env, node_name(), _Output(work / "job.log", echo)))
+    else:
+        for k, argv in enumerate(agent_commands(command, bed)):
+            host = bed.hostname(k)
+            node_env = {**env, **bed.env(k), ENV_HOST: host}
+            launches.append((argv, node_env, host, _Output(work / f"job-{host}.log", echo)))
+    outs = [(o, host) for _, _, host, o in launches]
     gpus = _FakeGpus(max(world or 1, 8), job_id) if any(f.kind is DrillKind.GPU for f in faults) else None
-    log(f"drill {drill_id}: {', '.join(f.spec for f in faults)}; job log {out.path}")
+    logs = ", ".join(str(o.path) for o, _ in outs)
+    log(f"drill {drill_id}: {', '.join(f.spec for f in faults)}; job log{'s' if len(outs) > 1 else ''} {logs}")
 
     # a policy that does nothing (dry run, no executor) cannot bring a stopped job back: the drill
     # then ends a hang, crash or desync job once it is detected, as without a policy
@@ -305,26 +397,45 @@ def run_drill(
     sup = RecoverySupervisor(store, job_id, policy, outbox_dir=outbox_dir, spool_dir=str(spool), log=log)
     shipper = Shipper(spool, store)
     loop = shipper.start(interval_s=0.5)
+    throttle = Throttler(bed, faults, truth, log=log).start() if bed is not None else None
     start = time.monotonic()
-    try:
-        proc = subprocess.Popen(
-            list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    except OSError as e:
-        loop.close(timeout_s=0)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def stop_all() -> None:
+        for p in procs:
+            if p.poll() is None:
+                _stop(p)
+
+    def cleanup() -> None:
         sup.stop()
         if gpus is not None:
             gpus.close()
-        raise ConfigError(f"cannot start {command[0]!r}: {e.strerror}") from None
-    assert proc.stdout is not None
-    out.pump(proc.stdout)
+        if throttle is not None:
+            throttle.stop()
+
+    for argv, e, _host, o in launches:
+        try:
+            proc = subprocess.Popen(
+                argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        except OSError as err:
+            stop_all()
+            loop.close(timeout_s=0)
+            cleanup()
+            raise ConfigError(f"cannot start {argv[0]!r}: {err.strerror}") from None
+        procs.append(proc)
+        assert proc.stdout is not None
+        o.pump(proc.stdout)
     stopped, deadline_hit = False, ""
     world_checked = world is not None
+
+    def running() -> bool:
+        return any(p.poll() is None for p in procs)
 
     def one_pass() -> None:
         # the job's output belongs to the attempt running now (torch elastic restarts the group)
         attempt = sup.attempt or 0
-        rows = [ev.to_row(job_id=job_id, attempt=attempt, host=host) for ev in out.take()]
+        rows = [ev.to_row(job_id=job_id, attempt=attempt, host=host) for o, host in outs for ev in o.take()]
         if rows:
             store.write("log_events", rows)
         ready, onsets = _read_truth(truth)
@@ -345,13 +456,14 @@ def run_drill(
                 dict(f.evidence),
                 f.severity.value,
                 float(f.step_time_pct),
+                tuple(sorted({x for s in f.suspects for x in (s.node, *s.link) if x and x != "network"})),
             )
             for f, first in sup.found.values()
         ]
 
     said = ""
     try:
-        while proc.poll() is None:
+        while running():
             time.sleep(interval_s)
             try:
                 one_pass()
@@ -362,7 +474,7 @@ def run_drill(
                     said = type(e).__name__
                 continue
             if on_pass is not None:
-                on_pass(out.path)
+                on_pass(outs[0][0].path)
             ready, onsets = _read_truth(truth)
             if not world_checked and ready:
                 w = int(next(iter(ready.values())).get("world_size", 0))
@@ -371,14 +483,14 @@ def run_drill(
                     try:
                         validate_targets(faults, w)
                     except ConfigError:
-                        _stop(proc)
+                        stop_all()
                         raise
             if time.monotonic() - start > timeout_s:
                 deadline_hit = f"the drill's timeout ({timeout_s:.0f} s) passed"
                 break
             fatal = [(i, f) for i, f in enumerate(faults) if f.fatal and i in onsets]
             if fatal:
-                interim, _ = score(faults, onsets, seen())
+                interim, _ = score(faults, onsets, seen(), _node_targets(ready))
                 pending = [
                     i
                     for i, f in fatal
@@ -389,33 +501,30 @@ def run_drill(
                     break  # every fatal fault seen (or out of time): the job will not recover by itself
                 if acting and missed:
                     break  # recovering, but a fatal fault went unseen: nothing will restart the job
-        if proc.poll() is None:
+        if running():
             stopped = True
-            _stop(proc)
+            stop_all()
     except BaseException:
-        sup.stop()
-        if gpus is not None:
-            gpus.close()
+        cleanup()
         raise
     finally:
-        if proc.poll() is None:
-            _stop(proc)
+        stop_all()
         loop.close(timeout_s=120)  # the last shipping pass
-        out.close()
+        for o, _ in outs:
+            o.close()
     try:
         one_pass()  # what the ranks and the log said last
-        rows = [ev.to_row(job_id=job_id, attempt=sup.attempt or 0, host=host) for ev in out.take(eof=True)]
+        attempt = sup.attempt or 0
+        rows = [ev.to_row(job_id=job_id, attempt=attempt, host=host) for o, host in outs for ev in o.take(eof=True)]
         if rows:
             store.write("log_events", rows)
             one_pass()
     except Exception as e:
         log(f"drill: final analysis pass failed: {type(e).__name__}: {e}")
     finally:
-        sup.stop()
-        if gpus is not None:
-            gpus.close()
+        cleanup()
     ready, onsets = _read_truth(truth)
-    scores, false = score(faults, onsets, seen())
+    scores, false = score(faults, onsets, seen(), _node_targets(ready))
     false, quiet = costless(false)
     if acting:
         times = {t.finding_id: t for t in recovery_times(store, job_id)}
@@ -427,7 +536,9 @@ def run_drill(
                     sc.resumed_s = max(0.0, (t.resumed_ns - sc.onset.ts_ns) / 1e9)
             if sc.fault.fatal and sc.applied and sc.resumed_s is None and sc.ok:
                 sc.note = "detected, but training did not resume" if t else "detected, but nothing was done about it"
-    code = proc.returncode
+    # the job's exit code: the first agent that failed, else 0 (None: still running, never here)
+    codes = [p.returncode for p in procs]
+    code = next((c for c in codes if c not in (0, None)), codes[0] if codes else None)
     job_failed = ""
     fatal_applied = any(s.applied and s.fault.fatal for s in scores)
     if deadline_hit:
@@ -437,7 +548,7 @@ def run_drill(
         job_failed = (
             f"the job exited with code {code} "
             + ("before any fault took effect" if first is None else "with no fatal fault injected")
-            + f": it failed by itself (see {out.path}); not scored as a detection"
+            + f": it failed by itself (see {logs}); not scored as a detection"
         )
     result = DrillResult(
         drill_id=drill_id,
@@ -451,7 +562,7 @@ def run_drill(
         stopped_by_drill=stopped,
         job_failed=job_failed,
         wall_s=time.monotonic() - start,
-        log_path=str(out.path),
+        log_path=str(outs[0][0].path),
         findings_seen=len(sup.found),
         rows=dict(shipper.totals),
         recovering=acting,

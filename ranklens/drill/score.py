@@ -5,15 +5,17 @@ Pure functions over the ground truth (:class:`Onset`) and the findings as the li
 them (:class:`Seen`), so the rules are tested without a job:
 
 - a fault is **detected** by the first finding, seen no earlier than ``EARLY_S`` before its onset,
-  whose kind is one of those that can report it (:data:`DETECTS`) and whose suspects include the
-  fault's rank; failing that, by such a finding that names another rank (the culprit is then
-  wrong); time to detect is from the onset to the live pass that first showed it;
+  whose kind is one of those that can report it (:data:`DETECTS`) and whose suspects name the
+  fault's target (:class:`Target`: the rank; for a node fault a rank of the node, the node's host,
+  or a link touching it); failing that, by such a finding that names something else (the culprit is
+  then wrong); time to detect is from the onset to the live pass that first showed it;
 - the **kind is right** when that finding's kind is the fault's own (:data:`KIND`; for a log fault
-  also its log class, for a GPU fault its XID); the **culprit is right** when it names the rank;
+  also its log class, for a GPU fault its XID); the **culprit is right** when it names the target;
 - a finding is **explained** when it detected a fault, names a fault's rank with a kind that can
   report it (seen after the fault's onset), or itself began after a fatal fault (hang, crash,
   desync) did — the peers' errors and timeouts that follow a dead rank are collateral, not alarms —
-  or is the job's own ``nan_loss`` log line after a NaN fault. Every other finding is **false**.
+  or is the job's own ``nan_loss`` log line after a NaN fault, or a straggler on the ranks of a node
+  whose link was throttled (:data:`ALSO_EXPLAINS`). Every other finding is **false**.
 """
 
 from __future__ import annotations
@@ -23,7 +25,19 @@ from typing import Any
 
 from ranklens.drill.faults import FATAL, DrillFault, DrillKind
 
-__all__ = ["DETECTS", "KIND", "MIN_COST_PCT", "FaultScore", "Onset", "Seen", "costless", "score"]
+__all__ = [
+    "ALSO_EXPLAINS",
+    "DETECTS",
+    "KIND",
+    "MIN_COST_PCT",
+    "FaultScore",
+    "Onset",
+    "Seen",
+    "Target",
+    "costless",
+    "score",
+    "target_of",
+]
 
 MIN_COST_PCT = 1.0  # a straggler / slow-link warning costing the job less than this share of step time
 
@@ -38,6 +52,7 @@ KIND = {
     DrillKind.LOG: "log_error",
     DrillKind.GPU: "gpu_error",
     DrillKind.NAN: "nan",
+    DrillKind.SLOW_LINK: "slow_link",
 }
 #: finding kinds that count as a detection (the culprit still has to be named)
 DETECTS = {
@@ -50,7 +65,12 @@ DETECTS = {
     DrillKind.LOG: {"log_error"},
     DrillKind.GPU: {"gpu_error", "log_error"},
     DrillKind.NAN: {"nan"},
+    DrillKind.SLOW_LINK: {"slow_link"},
 }
+#: finding kinds that, naming the fault's target, are the fault seen through another lens: explained
+#: (not false alarms) but no detection. A throttled node link makes its own ranks' forward wait on
+#: the link; per-rank timers can read the first steps after onset as a straggler on that node.
+ALSO_EXPLAINS = {DrillKind.SLOW_LINK: {"straggler"}}
 #: the log class the log fault's lines are classified as
 LOG_CLASS = {"nccl_error": "nccl_error", "nccl_timeout": "nccl_timeout", "cuda_oom": "cuda_oom", "xid": "gpu_xid"}
 EARLY_S = 1.0  # a finding this much before the onset still counts (clocks of rank and drill)
@@ -77,6 +97,19 @@ class Seen:
     evidence: dict[str, Any] = field(default_factory=dict)
     severity: str = ""
     cost_pct: float = float("nan")  # share of step time it costs the job (stragglers, slow links)
+    nodes: tuple[str, ...] = ()  # the suspects' hosts and the ends of a suspect link ("network" left out)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a finding must name for a fault's culprit to be right: one of these ranks or hosts.
+    A rank fault: its rank. A node fault: the node's ranks and its host (as its ranks reported it)."""
+
+    ranks: frozenset[int] = frozenset()
+    hosts: frozenset[str] = frozenset()
+
+    def named_by(self, s: Seen) -> bool:
+        return bool(self.ranks.intersection(s.ranks)) or bool(self.hosts.intersection(s.nodes))
 
 
 @dataclass
@@ -108,6 +141,7 @@ class FaultScore:
             "fault": self.fault.spec,
             "kind": self.fault.kind.value,
             "rank": self.fault.rank,
+            "node": self.fault.node,
             "applied": self.applied,
             "onset_ns": self.onset.ts_ns if self.onset else None,
             "onset_step": self.onset.step if self.onset else None,
@@ -163,11 +197,25 @@ def costless(false: list[Seen]) -> tuple[list[Seen], list[Seen]]:
     return alarms, quiet
 
 
-def score(faults: list[DrillFault], onsets: dict[int, Onset], seen: list[Seen]) -> tuple[list[FaultScore], list[Seen]]:
+def target_of(f: DrillFault, nodes: dict[int, Target] | None = None) -> Target:
+    """The fault's :class:`Target`; ``nodes``: node index -> its ranks and host (from the ranks'
+    ``ready`` records); a node nobody reported is named by nothing."""
+    if f.node < 0:
+        return Target(frozenset({f.rank}))
+    return (nodes or {}).get(f.node, Target())
+
+
+def score(
+    faults: list[DrillFault],
+    onsets: dict[int, Onset],
+    seen: list[Seen],
+    nodes: dict[int, Target] | None = None,
+) -> tuple[list[FaultScore], list[Seen]]:
     """Score each fault (``onsets[i]``: the ground truth of fault ``i``) against the findings seen;
-    returns the scores and the false findings."""
+    ``nodes`` says which ranks and host each node target is. Returns the scores and the false findings."""
     seen = sorted(seen, key=lambda s: (s.seen_ns, s.id))
     scores = [FaultScore(f, onsets.get(i)) for i, f in enumerate(faults)]
+    targets = [target_of(f, nodes) for f in faults]
     used: set[str] = set()
 
     def pick(sc: FaultScore, cands: list[Seen]) -> Seen:
@@ -183,10 +231,10 @@ def score(faults: list[DrillFault], onsets: dict[int, Onset], seen: list[Seen]) 
     # first every fault a finding names; then, for the rest, a finding of the right kind that names
     # another rank (detected, wrong culprit)
     for right_rank in (True, False):
-        for sc in scores:
+        for sc, tg in zip(scores, targets):
             if sc.onset is None or sc.finding is not None:
                 continue
-            cands = [s for s in window(sc) if (sc.fault.rank in s.ranks) == right_rank]
+            cands = [s for s in window(sc) if tg.named_by(s) == right_rank]
             if not cands:
                 continue
             best = pick(sc, cands)
@@ -200,7 +248,9 @@ def score(faults: list[DrillFault], onsets: dict[int, Onset], seen: list[Seen]) 
         elif sc.finding is None:
             sc.note = "not detected"
         elif not sc.culprit_ok:
-            sc.note = f"detected, but it names rank(s) {', '.join(map(str, sc.finding.ranks))}, not {f.rank}"
+            named = [f"rank(s) {', '.join(map(str, sc.finding.ranks))}"] if sc.finding.ranks else []
+            named += [f"node(s) {', '.join(sc.finding.nodes)}"] if f.node >= 0 and sc.finding.nodes else []
+            sc.note = f"detected, but it names {' and '.join(named) or 'nobody'}, not {f.target}"
         elif not sc.kind_ok:
             sc.note = f"detected as {_found(sc.finding)}, not {_expected(f)}"
     fatal_from = min((sc.onset.ts_ns for sc in scores if sc.onset and sc.fault.kind in FATAL), default=None)
@@ -210,10 +260,10 @@ def score(faults: list[DrillFault], onsets: dict[int, Onset], seen: list[Seen]) 
             continue
         if any(
             sc.onset
-            and sc.fault.rank in s.ranks
-            and s.kind in DETECTS[sc.fault.kind]
+            and tg.named_by(s)
+            and (s.kind in DETECTS[sc.fault.kind] or s.kind in ALSO_EXPLAINS.get(sc.fault.kind, ()))
             and s.seen_ns >= sc.onset.ts_ns - int(EARLY_S * 1e9)
-            for sc in scores
+            for sc, tg in zip(scores, targets)
         ):
             continue  # the same fault seen again (another finding of the same kind on its rank)
         if fatal_from is not None and (s.first_ns or s.seen_ns) >= fatal_from - int(EARLY_S * 1e9):

@@ -16,7 +16,8 @@ A suite file::
 
 Each drill is one run of its command with its faults; ``{drill_dir}`` in a command is the drill's
 own fresh directory (for a checkpoint a restarted attempt resumes from). ``--suite recovery`` (a hang,
-a desync and a crash on a job torch elastic may restart) needs ``--recover POLICY``.
+a desync and a crash on a job torch elastic may restart) needs ``--recover POLICY``. ``--suite
+network`` throttles a node's link on the drill's network-namespace bed (root, ``ip netns``, ``tc``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,18 @@ import tomllib
 from ranklens.drill.faults import DrillFault, parse_drill_fault
 from ranklens.errors import ConfigError
 
-__all__ = ["QUICK", "RECOVERY", "Drill", "Suite", "load_suite", "quick_command", "standalone_command"]
+__all__ = [
+    "NETWORK",
+    "QUICK",
+    "RECOVERY",
+    "Drill",
+    "Suite",
+    "default_command",
+    "load_suite",
+    "network_command",
+    "quick_command",
+    "standalone_command",
+]
 
 
 def standalone_command(module: str, ranks: int, *args: str, elastic: Sequence[str] = ()) -> list[str]:
@@ -59,6 +71,35 @@ def quick_command(steps: int = 40, ranks: int = 4, *, restarts: int = 0) -> list
     elastic = ["--max-restarts", str(restarts)] if restarts else []
     ckpt = ["--checkpoint", "{drill_dir}/checkpoint.pt"] if restarts else []
     return standalone_command("ranklens.drill.workload", ranks, "--steps", str(steps), *ckpt, elastic=elastic)
+
+
+def network_command(steps: int = 40, nodes: int = 3, ranks_per_node: int = 1, exchange_mb: float = 1.0) -> list[str]:
+    """The built-in job on several nodes: ``ranks_per_node`` gloo ranks of
+    :mod:`ranklens.drill.workload` per node, each forward all-reducing ``exchange_mb`` MiB in every
+    cross-node pair group (so that a slow link can be localized). The drill adds each agent's
+    ``--node-rank`` and rendezvous on its network bed."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nodes),
+        "--nproc-per-node",
+        str(ranks_per_node),
+        "-m",
+        "ranklens.drill.workload",
+        "--steps",
+        str(steps),
+        "--exchange-mb",
+        f"{exchange_mb:g}",
+    ]
+
+
+def default_command(faults: Sequence[DrillFault]) -> list[str]:
+    """The built-in job for ``faults``: on the network bed when one throttles a link, else one node."""
+    from ranklens.drill.network import needs_bed
+
+    return network_command() if needs_bed(faults) else quick_command()
 
 
 @dataclass(frozen=True)
@@ -118,9 +159,25 @@ def _recovery() -> Suite:
     )
 
 
+def _network() -> Suite:
+    # 3 nodes x 1 rank: the fewest where group testing can name a node (the throttled node's two pair
+    # groups slow, the third pair fast); onset at step 8 leaves 4 windows of healthy baseline
+    return Suite(
+        "network",
+        (
+            Drill(
+                "node 2's link throttled to 40 Mbit/s",
+                (parse_drill_fault("slow_link:node2:40mbit@8"),),
+                tuple(network_command(30)),
+            ),
+        ),
+    )
+
+
 QUICK = _quick()
 RECOVERY = _recovery()
-_BUILTIN = {"quick": QUICK, "recovery": RECOVERY}
+NETWORK = _network()
+_BUILTIN = {"quick": QUICK, "recovery": RECOVERY, "network": NETWORK}
 
 
 def load_suite(name_or_path: str) -> Suite:
