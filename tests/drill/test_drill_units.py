@@ -53,10 +53,11 @@ def test_defaults_and_units():
     [
         (
             "melt:1",
-            "unknown kind 'melt' (kinds: slow_gpu, slow_data, hang, crash, desync, size_mismatch, log, gpu, nan)",
+            "unknown kind 'melt' (kinds: slow_gpu, slow_data, hang, crash, desync, size_mismatch, log, gpu, nan, "
+            "slow_link)",
         ),
-        ("hang", "needs a target rank"),
-        ("hang:x", "target 'x' is not a rank"),
+        ("hang", "hang needs a target: a rank"),
+        ("hang:x", "target 'x' is neither a rank"),
         ("slow_gpu:1:0.9", "factor 0.9 must be > 1"),
         ("slow_gpu:1:1.5:sideways", "phase 'sideways' is not one of forward, backward, optimizer"),
         ("crash:1:300", "exit code '300' is not 1..255 or 'kill'"),
@@ -126,9 +127,11 @@ def test_a_fault_that_never_started_is_not_detected():
 
 def test_the_quick_suite_covers_every_kind_on_four_ranks():
     kinds = {f.kind for d in QUICK.drills for f in d.faults}
-    assert kinds == set(DrillKind)
+    assert kinds == set(DrillKind) - {DrillKind.SLOW_LINK}  # the link needs root: --suite network
     for d in QUICK.drills:
-        validate_targets(list(d.faults), 4)
+        validate_targets(list(d.faults), 4, 1)
+    (d,) = load_suite("network").drills
+    assert [f.kind for f in d.faults] == [DrillKind.SLOW_LINK]
 
 
 def test_suite_files(tmp_path):
@@ -161,7 +164,14 @@ def test_suite_files(tmp_path):
             ["--fault", "hang:5@3", "--", "torchrun", "--nproc-per-node", "2", "t.py"],
             "rank 5 is not a rank of this 2-rank job",
         ),
-        (["--suite", "nosuch"], "no built-in suite of that name (quick, recovery)"),
+        (["--suite", "nosuch"], "no built-in suite of that name (quick, recovery, network)"),
+        (["--fault", "hang:node1@3"], "node 1 is not a node of this 1-node job (node0)"),
+        (["--fault", "slow_link:node3:40mbit@8"], "node 3 is not a node of this 3-node job (node0..node2)"),
+        (
+            ["--fault", "slow_link:node1@8", "--", "python", "t.py"],
+            "the command must be torchrun or python -m torch.distributed.run, not 'python'",
+        ),
+        (["--fault", "desync:node1@3"], "desync is one rank's doing"),
         (["--suite", "recovery"], "--suite recovery measures fault -> training resumed: give --recover POLICY"),
         ([], "give --fault SPEC"),
         (["--fault", "hang:1@3", "--interval", "-1"], "--interval -1: must be a number of seconds > 0"),
@@ -221,3 +231,118 @@ def test_warnings_that_cost_the_job_nothing_are_costless_not_false_alarms():
     log = Seen("l", "log_error", (0,), "oom", 10, 10, {}, "error")
     alarms, quiet = costless([cheap, real, crit, log])
     assert [s.id for s in alarms] == ["r", "k", "l"] and [s.id for s in quiet] == ["c"]
+
+
+# --- node targets and the throttled link ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "node", "canonical"),
+    [
+        ("hang:node1@6", 1, "hang:node1@6"),
+        ("crash:node0001:3@6", 1, "crash:node1:3@6"),
+        ("slow_gpu:node2:1.5@8", 2, "slow_gpu:node2:1.5@8"),
+        ("log:node0:xid@4", 0, "log:node0:xid@4"),
+        ("slow_link:node2:40mbit@8", 2, "slow_link:node2:40mbit@8"),
+        ("slow_link:2", 2, "slow_link:node2:40mbit"),  # a link is a node's: 2 is node 2, as in simulate
+        ("slow_link:node0003:5mbps@10s", 3, "slow_link:node3:5mbps@10s"),
+    ],
+)
+def test_node_targets_parse(spec, node, canonical):
+    f = parse_drill_fault(spec)
+    assert (f.node, f.rank, f.spec) == (node, -1, canonical)
+    assert parse_drill_fault(f.spec) == f
+
+
+def test_a_rate_is_bits_per_second_as_tc_reads_it():
+    assert parse_drill_fault("slow_link:node1:40mbit").severity == 40e6
+    assert parse_drill_fault("slow_link:node1:5mbps").severity == 40e6  # tc's bps: bytes per second
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("desync:node1@3", "desync is one rank's doing: its target must be a rank, not 'node1'"),
+        ("nan:node0@3", "nan is one rank's doing"),
+        ("size_mismatch:node1", "size_mismatch is one rank's doing"),
+        ("hang:nodeX@3", "target 'nodeX' is neither a rank (an integer >= 0) nor a node (node1, node0001)"),
+        ("slow_link:node2:3", "rate '3' is not a tc rate"),
+        ("slow_link", "slow_link needs a target: a node (node2)"),
+    ],
+)
+def test_bad_node_targets_say_what_is_allowed(spec, says):
+    with pytest.raises(ConfigError) as e:
+        parse_drill_fault(spec)
+    assert says in str(e.value) and "e.g." in str(e.value)
+
+
+def test_a_node_outside_the_job_is_refused():
+    with pytest.raises(ConfigError, match=r"node 3 is not a node of this 3-node job \(node0\.\.node2\)"):
+        validate_targets([parse_drill_fault("slow_link:node3@5")], 3, 3)
+    with pytest.raises(ConfigError, match=r"node 1 is not a node of this 1-node job \(node0\)"):
+        validate_targets([parse_drill_fault("hang:node1@5")], 4, 1)
+    with pytest.raises(ConfigError, match="a slow link needs a job of 2 nodes or more"):
+        validate_targets([parse_drill_fault("slow_link:node0@5")], 4, 1)
+    validate_targets([parse_drill_fault("hang:node0@5")], 4, 1)  # node 0 of the one-node job: every rank
+
+
+def test_the_bed_job_shape_and_agent_commands():
+    from ranklens.analyzers.netbed import NetBed
+    from ranklens.drill.network import agent_commands
+    from ranklens.drill.runner import job_shape, nodes_of
+    from ranklens.drill.suites import network_command, quick_command
+
+    link = [parse_drill_fault("slow_link:node2@8")]
+    assert job_shape(network_command(30), link) == (3, 3)
+    assert job_shape(quick_command(), [parse_drill_fault("hang:1@3")]) == (4, 1)
+    # a user's single-node torchrun command goes onto a bed of the default 3 nodes
+    assert job_shape(["torchrun", "--standalone", "--nproc-per-node", "2", "t.py"], link) == (6, 3)
+    assert nodes_of(["python", "t.py"]) is None
+    cmds = agent_commands(
+        ["torchrun", "--standalone", "--nnodes", "2", "--nproc-per-node=2", "--master-port", "1", "t.py", "--x", "1"],
+        NetBed(2, prefix="rlx"),
+    )
+    assert cmds[1][:4] == ["ip", "netns", "exec", "rlx-n1"] and "node1" in cmds[1]
+    tail = cmds[1][cmds[1].index("torchrun") :]
+    assert tail == [
+        "torchrun", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.77.0.1", "--master-port", "29500",
+        "--nproc-per-node=2", "t.py", "--x", "1",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"the command must be torchrun or python -m torch\.distributed\.run"):
+        job_shape(["python", "t.py"], link)
+
+
+def _node_seen(id_, kind, ranks, nodes, t):
+    return Seen(id_, kind, tuple(ranks), f"{kind} on {nodes}", int(t * 1e9), int(t * 1e9), {}, nodes=tuple(nodes))
+
+
+def test_scoring_a_slow_link_by_its_node():
+    from ranklens.drill.score import Target
+
+    faults = [parse_drill_fault("slow_link:node2:40mbit@8")]
+    onsets = {0: Onset(int(100e9), 8)}
+    nodes = {0: Target(frozenset({0}), frozenset({"node0"})), 2: Target(frozenset({2}), frozenset({"node2"}))}
+    seen = [
+        _node_seen("w", "straggler", [2], ["node2"], 103),  # the link seen by per-rank timers: explained
+        _node_seen("l", "slow_link", [0, 2], ["node0", "node2"], 110),  # the node0<->node2 pair link touches node 2
+        _node_seen("c", "network_congestion", [], [], 111),  # nothing explains it: false
+    ]
+    scores, false = score(faults, onsets, seen, nodes)
+    assert scores[0].ok and scores[0].finding and scores[0].finding.id == "l" and scores[0].ttd_s == pytest.approx(10)
+    assert [s.id for s in false] == ["c"]
+    wrong = [_node_seen("x", "slow_link", [0], ["node0"], 104)]
+    scores, false = score(faults, onsets, wrong, nodes)
+    assert scores[0].detected and not scores[0].culprit_ok
+    assert scores[0].note == "detected, but it names rank(s) 0 and node(s) node0, not node2"
+
+
+def test_a_node_fault_is_named_by_any_rank_of_the_node():
+    from ranklens.drill.score import Target
+
+    scores, false = score(
+        [parse_drill_fault("hang:node1@6")],
+        {0: Onset(int(50e9), 6)},
+        [_seen("h", "hang", [3], 55)],
+        {1: Target(frozenset({2, 3}), frozenset({"node1"}))},
+    )
+    assert scores[0].ok and false == []
