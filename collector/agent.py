@@ -32,6 +32,7 @@ variables over the file)::
     spool_check_interval_s = 1.0            # how often the budget is checked (even while passes back off)
     metrics_port = 9400                     # omit: no endpoint; 0: any free port
     metrics_addr = "0.0.0.0"
+    metrics_top_k = 3                       # per job, the slowest ranks with series of their own
     nvml = true                             # true, false, or omit for "when available"
     nvml_interval_s = 1.0
     shutdown_timeout_s = 10.0
@@ -61,7 +62,7 @@ from typing import Any
 from ranklens._metrics_http import MetricsServer
 from ranklens._worker import Worker
 from ranklens.collector.liveness import LivenessWatcher
-from ranklens.collector.metrics import CollectorMetrics
+from ranklens.collector.metrics import MAX_TOP_K, CollectorMetrics
 from ranklens.collector.nvml import GpuSampler
 from ranklens.collector.outbox import COLLECTOR_DIR, Outbox
 from ranklens.collector.rules import RuleSet, load_rules, read_config_file, rules_from_config
@@ -91,6 +92,9 @@ class AgentConfig:
         nvml_interval_s: seconds between GPU samples.
         metrics_port: ``/metrics`` port (None: no endpoint; 0: any free port).
         metrics_addr: address the endpoint binds.
+        metrics_top_k: per job, how many of this node's slowest (and most silent) ranks get series
+            of their own on ``/metrics`` (0: none); the rest is per-node aggregates, and every
+            rank's detail is in the store (:class:`~ranklens.collector.metrics.CollectorMetrics`).
         ship_interval_s: seconds between shipping passes.
         log_poll_interval_s: seconds between log reads.
         commit_interval_s: seconds between writes of log events and GPU samples to the spool.
@@ -116,6 +120,7 @@ class AgentConfig:
     nvml_interval_s: float = 1.0
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
+    metrics_top_k: int = 3
     ship_interval_s: float = 1.0
     log_poll_interval_s: float = 0.25
     commit_interval_s: float = 2.0
@@ -149,6 +154,9 @@ class AgentConfig:
             or not 0 <= self.metrics_port <= 65535
         ):
             raise ConfigError(f"collector metrics_port={self.metrics_port!r}: allowed 0..65535 (0: any free port)")
+        k = self.metrics_top_k
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_K:
+            raise ConfigError(f"collector metrics_top_k={k!r}: allowed 0..{MAX_TOP_K} (0: no per-rank series)")
         if self.nvml not in (None, True, False):
             raise ConfigError(f"collector nvml={self.nvml!r}: allowed true, false (omit: when available)")
 
@@ -268,6 +276,8 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
                     raise ValueError(value)
             elif kind == "float":
                 value = float(value)
+            elif kind == "int":
+                value = int(value)
             elif kind.startswith("int | None"):
                 value = int(value) if value else None
             elif kind.startswith("int | str"):
@@ -307,7 +317,7 @@ class Agent:
         self.config = config
         self.store = store
         self.host = config.hostname
-        self.metrics = CollectorMetrics(registry)
+        self.metrics = CollectorMetrics(registry, node=self.host, top_k=config.metrics_top_k)
         self.spool_dir = Path(config.spool_dir)
         self.outbox = Outbox(self.spool_dir, host=self.host, on_write=self._on_write)
         self.liveness: LivenessWatcher | None = None

@@ -13,8 +13,10 @@ Every endpoint serves the same conventions, whatever registry it is given:
   leaves them out of what it serves (both text formats, ``name[]`` selections too) rather than
   calling ``prometheus_client.disable_created_metrics()``, which would change every registry of the
   process, a user's own included;
-- ``ranklens_build_info{version, python}`` = 1: which ranklens and which Python serve the
-  endpoint, the ``*_build_info`` convention of Prometheus' own exporters (join on it in PromQL).
+- ``ranklens_build_info{version, python, schema_version}`` = 1: which ranklens, which Python and
+  which store schema serve the endpoint, the ``*_build_info`` convention of Prometheus' own
+  exporters (join on it in PromQL). A registry may carry it itself (:class:`BuildInfo`, as the
+  collector's does); the endpoint then adds no second one.
 
 prometheus-client is imported only when a server starts.
 """
@@ -32,7 +34,15 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
-__all__ = ["BUILD_INFO", "DEFAULT_ADDR", "MetricsBindError", "MetricsServer", "build_version", "serve_metrics"]
+__all__ = [
+    "BUILD_INFO",
+    "DEFAULT_ADDR",
+    "BuildInfo",
+    "MetricsBindError",
+    "MetricsServer",
+    "build_version",
+    "serve_metrics",
+]
 
 DEFAULT_ADDR = "127.0.0.1"
 BUILD_INFO = "ranklens_build_info"
@@ -58,9 +68,23 @@ def build_version() -> str:
 def _build_info() -> Metric:
     from prometheus_client.core import GaugeMetricFamily
 
-    g = GaugeMetricFamily(BUILD_INFO, "ranklens build serving this endpoint (always 1)", labels=("version", "python"))
-    g.add_metric([build_version(), platform.python_version()], 1.0)
+    from ranklens.schema import SCHEMA_VERSION
+
+    g = GaugeMetricFamily(
+        BUILD_INFO,
+        "ranklens build serving this endpoint (always 1)",
+        labels=("version", "python", "schema_version"),
+    )
+    g.add_metric([build_version(), platform.python_version(), str(SCHEMA_VERSION)], 1.0)
     return g
+
+
+class BuildInfo:
+    """A collector for a registry of one's own: ``ranklens_build_info`` (register it with
+    ``registry.register(BuildInfo())``)."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield _build_info()
 
 
 def _without_created(metrics: Iterable[Metric]) -> Iterator[Metric]:

@@ -82,7 +82,7 @@ def test_agent_end_to_end_with_store_nvml_and_metrics(tmp_path, embedded_store):
         assert _metric(m, "ranklens_collector_log_lines_dropped_total") == 3
         assert _metric(m, "ranklens_collector_nvml_available") == 1
         assert _metric(m, "ranklens_gpu_events_total", kind="xid") == 1
-        gpu_labels = dict(node="node-a", gpu=0, uuid=fake.gpus[0].uuid, job_id="", rank=-1)
+        gpu_labels = dict(node="node-a", gpu=0, uuid=fake.gpus[0].uuid)  # the GPU's labels only (issue 19)
         assert _metric(m, "ranklens_gpu_memory_total_bytes", **gpu_labels) == 80 << 30
         assert _metric(m, "ranklens_gpu_temperature_celsius", **gpu_labels) == 35
         reasons = {
@@ -351,8 +351,10 @@ def test_shipping_loop_spans_when_asked(tmp_path, embedded_store):
 
 @pytest.mark.e2e
 def test_per_rank_step_time_and_collective_wait_from_a_real_job(tmp_path, embedded_store):
-    """A real 2-rank gloo job (rank 1 slowed 3x from step 0): the collector's /metrics shows per-rank
-    step time, time blocked in collectives (the fast rank waits for the slow one) and heartbeats."""
+    """A real 2-rank gloo job (rank 1 slowed 3x from step 0): the collector's /metrics shows, per
+    node, the ranks, their step times, steps, time blocked in collectives and heartbeats, the
+    slowest ranks' step times, and which rank is where (ranklens_rank_info); never a series per
+    rank and attempt (issue 19)."""
     import socket as _socket
 
     with _socket.socket() as s:
@@ -361,34 +363,51 @@ def test_per_rank_step_time_and_collective_wait_from_a_real_job(tmp_path, embedd
     spool = tmp_path / "spool"
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
            "RANKLENS_SPOOL": str(spool), "RANKLENS_JOB_ID": "metrics-job", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    args = ["--steps", "12", "--compute-ms", "30", "--slow-rank", "1", "--slowdown", "3", "--slow-from-step", "0"]
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "ranklens.demo.worker", *args], env={**env, "RANK": str(r)})
-        for r in range(2)
-    ]
-    assert [p.wait(120) for p in procs] == [0, 0]
+    steps = 80
+    args = ["--steps", str(steps), "--compute-ms", "30", "--slow-rank", "1", "--slowdown", "3", "--slow-from-step", "0"]
     agent = Agent(agent_config(tmp_path, nvml=False, logs=()), store=embedded_store)
-    agent.start()
+    agent.start()  # before the job: its ranks are live while it runs, then end with it
+    job = dict(node="node-a", job_id="metrics-job")
+    procs = []
     try:
+        procs = [
+            subprocess.Popen([sys.executable, "-m", "ranklens.demo.worker", *args], env={**env, "RANK": str(r)})
+            for r in range(2)
+        ]
 
-        def both_shipped() -> dict | None:  # the two ranks' segments can ship in different passes
+        def running() -> dict | None:  # both ranks live, a few steps in
             m = _scrape(agent.metrics_port)
-            steps = [_metric(m, "ranklens_rank_steps_total", job_id="metrics-job", attempt=0, rank=r) for r in (0, 1)]
-            return m if steps == [12, 12] else None
+            live = _metric(m, "ranklens_node_ranks", **job) == 2
+            return m if live and _metric(m, "ranklens_node_last_step", **job, stat="min") >= 3 else None
 
-        m = wait_until(both_shipped, 120.0, "both ranks' 12 steps on /metrics")
+        m = wait_until(running, 120.0, "both ranks live and stepping on /metrics", procs=procs)
+        assert [p.wait(120) for p in procs] == [0, 0]
+
+        def done() -> dict | None:  # every step shipped; both ranks shut down cleanly: no rank_info left
+            m = _scrape(agent.metrics_port)
+            return m if _metric(m, "ranklens_node_steps_total", **job) == 2 * steps else None
+
+        end = wait_until(done, 120.0, f"both ranks' {steps} steps on /metrics")
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
         agent.stop()
 
-    def v(name: str, rank: int) -> float:
-        return _metric(m, name, job_id="metrics-job", attempt=0, rank=rank)
+    def by_rank(m: dict, name: str) -> dict[str, float]:
+        return {dict(k[1])["rank"]: v for k, v in m.items() if k[0] == name and dict(k[1])["job_id"] == "metrics-job"}
 
-    assert v("ranklens_rank_steps_total", 0) == 12 and v("ranklens_rank_last_step", 1) == 11
-    assert 0.05 < v("ranklens_rank_step_duration_seconds", 0) < 2.0  # lock-step: both ranks take the slow pace
-    assert v("ranklens_rank_collectives_total", 0) > 0
-    # the fast rank waits for the slow one inside collectives: far more blocked time than the slow rank
-    assert v("ranklens_rank_collective_wait_seconds_total", 0) > 2 * v("ranklens_rank_collective_wait_seconds_total", 1)
-    assert abs(v("ranklens_rank_heartbeat_timestamp_seconds", 1) - time.time()) < 120
+    assert 0.05 < _metric(m, "ranklens_node_step_duration_seconds", **job, stat="max") < 2.0  # lock-step: slow pace
+    assert abs(_metric(m, "ranklens_node_heartbeat_timestamp_seconds", **job, stat="max") - time.time()) < 120
+    assert set(by_rank(m, "ranklens_rank_step_duration_seconds")) == {"0", "1"}  # the top 3 slowest: both
+    assert set(by_rank(m, "ranklens_rank_heartbeat_timestamp_seconds")) == {"0", "1"}
+    assert by_rank(m, "ranklens_rank_info") == {"0": 1.0, "1": 1.0}
+    assert _metric(end, "ranklens_node_collectives_total", **job) > 0
+    assert _metric(end, "ranklens_node_collective_wait_seconds_total", **job) > 0
+    # the job is over: its ranks are gone from rank_info and the aggregates, its counters stay
+    assert by_rank(end, "ranklens_rank_info") == {} and _metric(end, "ranklens_node_ranks", **job) == 0
+    for m_ in (m, end):
+        assert not [k for k in m_ if k[0] != "ranklens_rank_info" and "attempt" in dict(k[1])]
 
 
 def test_the_documented_config_is_valid(tmp_path):

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import ranklens
 from ranklens.collector.metrics import CLOCKS_EVENT_REASONS
 from ranklens.formats.spool import SpoolWriter
+from ranklens.schema import SCHEMA_VERSION
 from tests._sync import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +97,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _build_info_is_this_ranklens(samples: list[tuple[str, dict[str, str], float]]) -> None:
     build = [(labels, v) for n, labels, v in samples if n == "ranklens_build_info"]
-    assert build == [({"version": ranklens.__version__, "python": platform.python_version()}, 1.0)]
+    labels = {
+        "version": ranklens.__version__,
+        "python": platform.python_version(),
+        "schema_version": str(SCHEMA_VERSION),
+    }
+    assert build == [(labels, 1.0)]
 
 
 def _spool_rows(spool: Path) -> None:
@@ -145,7 +151,7 @@ def test_live_collector_scrape_passes_promtool_with_the_issue_20_names(tmp_path)
         def everything_in() -> str | None:  # the rows shipped, both GPUs sampled, the log read
             body = _scrape(url)
             got = [((n, labels.get("table", labels.get("gpu"))), v) for n, labels, v in _samples(body)]
-            want = {("ranklens_collector_rows_shipped_total", "steps"), ("ranklens_rank_last_step", None)}
+            want = {("ranklens_collector_rows_shipped_total", "steps"), ("ranklens_node_steps_total", None)}
             want |= {("ranklens_gpu_clocks_event_reason", "1"), ("ranklens_gpu_temperature_celsius", "0")}
             want |= {("ranklens_collector_log_events_total", None)}  # the CUDA error, context and all
             rate = ("ranklens_gpu_nvlink_throughput_bytes_per_second", "0")  # from two samples

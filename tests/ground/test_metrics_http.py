@@ -1,6 +1,7 @@
 """ranklens._metrics_http serves any registry by issue 20's conventions: no ``_created`` series
 (counters, histograms, summaries; both exposition formats; ``name[]`` selections) without touching
-prometheus-client's process-wide switch, and one ``ranklens_build_info``."""
+prometheus-client's process-wide switch, and one ``ranklens_build_info`` (with the store's schema
+version, issue 19)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summ
 from prometheus_client.parser import text_string_to_metric_families
 
 from ranklens._metrics_http import BUILD_INFO, build_version, serve_metrics
+from ranklens.schema import SCHEMA_VERSION
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
@@ -58,7 +60,8 @@ def test_build_info_once_and_only_when_selected():
     build = [
         (s.labels, s.value) for f in text_string_to_metric_families(body) for s in f.samples if s.name == BUILD_INFO
     ]
-    assert build == [({"version": build_version(), "python": platform.python_version()}, 1.0)]
+    labels = {"version": build_version(), "python": platform.python_version(), "schema_version": str(SCHEMA_VERSION)}
+    assert build == [(labels, 1.0)]
     assert build_version() != "unknown"  # the package is installed (pip install -e .)
     assert _names(only) == {"demo_requests_total"}  # a selection has no _created either
     assert _names(both) == {"demo_requests_total", BUILD_INFO}
