@@ -359,35 +359,49 @@ def nodes_dashboard() -> dict[str, Any]:
     # the collector's own process_* series, told from other targets' by its ranklens series
     own = "and on (job, instance) ranklens_collector_nvml_available"
     throttle = "sw_power_cap|hw_slowdown|sw_thermal_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown"
+    # GPU series carry the GPU's labels only: the rank on a GPU comes from ranklens_rank_info, joined
+    # on uuid (`uuid!=""`: ranks without a known GPU would make the one side of group_left ambiguous)
+    info = f'ranklens_rank_info{{{sel}, uuid!=""}}'
     panels = [
         _panel(
             1,
-            "Step time, per rank",
+            "Step time: slowest ranks and each node's median",
             "timeseries",
             PROM,
-            [_prom(f"ranklens_rank_step_duration_seconds{{{sel}}}", "rank {{rank}}")],
+            [
+                _prom(f"ranklens_rank_step_duration_seconds{{{sel}}}", "rank {{rank}} ({{node}})"),
+                _prom(f'ranklens_node_step_duration_seconds{{{sel}, stat="median"}}', "{{node}} median"),
+            ],
             0,
             0,
             unit="s",
-            description="duration of each rank's last step, as its node's collector ships it",
+            description="last step's duration of each node's slowest ranks (the collector's metrics_top_k), "
+            "and the median over each node's ranks; every rank's every step is in the store (ledger dashboard)",
         ),
         _panel(
             2,
-            "Share of time blocked in collectives, per rank",
+            "Share of time blocked in collectives, per node",
             "timeseries",
             PROM,
-            [_prom(f"rate(ranklens_rank_collective_wait_seconds_total{{{sel}}}[1m])", "rank {{rank}}")],
+            [
+                _prom(
+                    f"sum by (node, job_id) (rate(ranklens_node_collective_wait_seconds_total{{{sel}}}[1m])) "
+                    f"/ sum by (node, job_id) (ranklens_node_ranks{{{sel}}})",
+                    "{{node}}",
+                )
+            ],
             12,
             0,
             unit="percentunit",
-            description="the ranks that wait least are the ones the others wait for",
+            description="mean over each node's ranks: the node whose ranks wait least hosts the ranks the "
+            "others wait for",
         ),
         _panel(
             3,
-            "Heartbeat age, per rank",
+            "Heartbeat age: each node's most silent rank",
             "timeseries",
             PROM,
-            [_prom(f"time() - ranklens_rank_heartbeat_timestamp_seconds{{{sel}}}", "rank {{rank}}")],
+            [_prom(f'time() - ranklens_node_heartbeat_timestamp_seconds{{{sel}, stat="min"}}', "{{node}}")],
             0,
             8,
             unit="s",
@@ -398,10 +412,16 @@ def nodes_dashboard() -> dict[str, Any]:
             "GPU utilization",
             "timeseries",
             PROM,
-            [_prom(f"ranklens_gpu_utilization_ratio{{{sel}}}", "{{node}} GPU {{gpu}} (rank {{rank}})")],
+            [
+                _prom(
+                    f"ranklens_gpu_utilization_ratio * on (uuid) group_left (job_id, rank) {info}",
+                    "{{node}} GPU {{gpu}} (rank {{rank}})",
+                )
+            ],
             12,
             8,
             unit="percentunit",
+            description="the GPUs of the job's ranks (ranklens_rank_info says which rank uses which GPU)",
         ),
         _panel(
             5,
@@ -456,7 +476,8 @@ def nodes_dashboard() -> dict[str, Any]:
             PROM,
             [
                 _prom(
-                    f'max by (node, gpu, reason) (ranklens_gpu_clocks_event_reason{{{sel}, reason=~"{throttle}"}})',
+                    f'max by (node, gpu, reason) (ranklens_gpu_clocks_event_reason{{reason=~"{throttle}"}} '
+                    f"* on (uuid) group_left (job_id) {info})",
                     "{{node}} GPU {{gpu}} {{reason}}",
                 )
             ],
@@ -483,19 +504,19 @@ def nodes_dashboard() -> dict[str, Any]:
             "ranklens versions serving /metrics",
             "table",
             PROM,
-            [_prom("count by (version, python) (ranklens_build_info)", instant=True)],
+            [_prom("count by (version, python, schema_version) (ranklens_build_info)", instant=True)],
             0,
             32,
             24,
             6,
-            description="endpoints per ranklens and Python version (a rolling upgrade shows two)",
+            description="endpoints per ranklens, Python and store schema version (a rolling upgrade shows two)",
         ),
     ]
     return _dashboard(
         "ranklens-nodes",
         "ranklens: ranks and nodes",
         panels,
-        [_job_variable("ranklens_rank_steps_total")],
+        [_job_variable("ranklens_rank_info")],
     )
 
 
