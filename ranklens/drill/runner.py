@@ -333,6 +333,7 @@ def run_drill(
     )  # fmt: skip
     if not on_bed:
         return _run(store, list(command), faults, None, **args)
+    assert nodes is not None  # the bed's size is always known (job_shape)
     with LinkBed(nodes, log=log) as bed:  # removed on every way out, signals included
         return _run(store, list(command), faults, bed, **args)
 
