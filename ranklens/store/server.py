@@ -306,8 +306,12 @@ class ServerStore:
                 columns,
                 columnar=True,
                 # a Distributed table (cluster) answers only once every shard has the rows, so an
-                # acknowledged batch is visible to the collector's "already stored?" question
-                settings={"insert_distributed_sync": 1},
+                # acknowledged batch is visible to the collector's "already stored?" question.
+                # insert_deduplicate=0: a replicated table drops a block identical to one of its
+                # last 100 inserts, also after those rows were deleted: the shard-1 share of a batch
+                # stored in part (shard 2 died mid-insert) was discarded and, sent again, silently
+                # dropped (docs/cluster.md). Exactly once is the ingest_id's job, not the hash's.
+                settings={"insert_distributed_sync": 1, "insert_deduplicate": 0},
             )
         return counts
 
