@@ -252,14 +252,16 @@ class _RankCollector(Collector):
                     st.hb = t / 1e9 if math.isnan(st.hb) else max(st.hb, t / 1e9)
                     st.node = st.node or host or ""
             else:  # ranks: where the rank runs
-                for key, row in zip(keys, data.select(["host", "gpu_index", "gpu_uuid", "started_ns"]).to_pylist()):
+                cols = [c for c in ("host", "gpu_index", "gpu_uuid", "started_ns") if c in data.column_names]
+                for key, row in zip(keys, data.select(cols).to_pylist()):
                     st = self._live(key, now)
                     if st is None:
                         continue
-                    st.node = row["host"] or st.node
-                    if row["gpu_uuid"]:
-                        st.gpu, st.uuid = int(row["gpu_index"] if row["gpu_index"] is not None else -1), row["gpu_uuid"]
-                    st.started_ns = max(st.started_ns, int(row["started_ns"] or 0))
+                    st.node = row.get("host") or st.node
+                    if row.get("gpu_uuid"):
+                        gpu = row.get("gpu_index")
+                        st.gpu, st.uuid = int(gpu) if gpu is not None else -1, str(row["gpu_uuid"])
+                    st.started_ns = max(st.started_ns, int(row.get("started_ns") or 0))
 
     def _job_totals(self, job: str, now: float) -> _Totals:
         t = self._totals.get(job)
