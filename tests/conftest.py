@@ -123,6 +123,40 @@ def server_db_url():
     s.close()
 
 
+# --- a real cluster (issue 19) -------------------------------------------------------------------
+# ZooKeeper + four clickhouse-server processes, 2 shards x 2 replicas (scripts/clickhouse_cluster.sh),
+# started once per session on free ports, with the generated cluster DDL (`ON CLUSTER`) applied to
+# CLUSTER_DB. Skipped locally without the packages; a failure under RANKLENS_REQUIRE_SERVER=1.
+CLUSTER_DB = "ranklens_cluster_test"
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    from tests import _cluster
+
+    why = _cluster.missing()
+    if why:
+        if REQUIRE_SERVER:
+            pytest.fail(f"no ClickHouse cluster: {why}; RANKLENS_REQUIRE_SERVER=1 makes this a failure")
+        pytest.skip(f"no ClickHouse cluster: {why}")
+    c = _cluster.Cluster(tmp_path_factory.mktemp("clickhouse-cluster"))
+    try:
+        c.start()
+        from clickhouse_driver import Client
+
+        from ranklens.schema import render_cluster_ddl
+
+        client = Client("127.0.0.1", port=c.tcp(1))
+        for stmt in render_cluster_ddl(CLUSTER_DB, _cluster.CLUSTER).split(";\n"):
+            stmt = "\n".join(line for line in stmt.splitlines() if not line.startswith("--")).strip()
+            if stmt:
+                client.execute(stmt)
+        client.disconnect()
+        yield c
+    finally:
+        c.stop()
+
+
 # --- CI's skip gate -------------------------------------------------------------------------------
 # A skip hides a test that did not run. Locally a missing tool (a ClickHouse server, chromium,
 # promtool, iproute2, kubectl) skips with its reason; under ``RANKLENS_FAIL_ON_SKIP=1`` (set by

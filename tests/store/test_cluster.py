@@ -1,0 +1,338 @@
+"""ranklens on a real ClickHouse cluster: ZooKeeper + 2 shards x 2 replicas of Debian's 18.16
+(``cluster`` fixture, tests/conftest.py), the generated cluster DDL (``ON CLUSTER``), rows written
+through the server store and the collector's shipper into the Distributed tables, read back on every
+replica's local table:
+
+* a replica killed (SIGKILL) while the shipper ships, then restarted: every row once on every replica;
+* a whole shard stopped: the shipper keeps the segments, reports the store down, catches up;
+* a batch stored in part (a shard died mid-insert, after the other shard took its rows): the shipper
+  finds it in doubt, discards the part and sends it again: every row once (this lost the shard's
+  rows while the inserts let the replicated tables deduplicate, see docs/cluster.md);
+* `ranklens analyze` through the Distributed tables finds what it finds on one server.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ranklens.collector.journal import Journal
+from ranklens.collector.settle import ingest_id_of
+from ranklens.collector.shipper import JOURNAL, Shipper
+from ranklens.formats.spool import SpoolWriter
+from ranklens.store import open_store
+from tests._sync import wait_until
+from tests.conftest import CLUSTER_DB
+
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTLE_S = 120.0  # readiness deadline (replication after a restart, a loaded machine); not a measurement
+INSERT = {"insert_distributed_sync": 1, "insert_deduplicate": 0}  # what ServerStore.write_many sends
+
+
+def _client(cluster: Any, node: int) -> Any:
+    from clickhouse_driver import Client
+
+    return Client("127.0.0.1", port=cluster.tcp(node), database=CLUSTER_DB, send_receive_timeout=60)
+
+
+def _local_keys(cluster: Any, node: int, job: str) -> collections.Counter:
+    """(rank, seq) -> rows in node's local collectives table for ``job`` (that replica's own copy)."""
+    c = _client(cluster, node)
+    try:
+        rows = c.execute(f"SELECT rank, seq, count() FROM collectives_local WHERE job_id = '{job}' GROUP BY rank, seq")
+    finally:
+        c.disconnect()
+    return collections.Counter({(r, s): n for r, s, n in rows})
+
+
+def _assert_once_on_every_replica(cluster: Any, job: str, expected: set[tuple[int, int]]) -> None:
+    """Every (rank, seq) of ``expected`` exactly once in the cluster: on both replicas of one shard,
+    and on no other shard. Waits (readiness) for the replicas to agree first."""
+
+    def agreed() -> dict[int, collections.Counter] | None:
+        got = {n: _local_keys(cluster, n, job) for n in (1, 2, 3, 4)}
+        same = got[1] == got[2] and got[3] == got[4]
+        return got if same and sum(got[1].values()) + sum(got[3].values()) >= len(expected) else None
+
+    last: dict[str, Any] = {}
+
+    def probe() -> dict[int, collections.Counter] | None:
+        last["got"] = {n: sum(_local_keys(cluster, n, job).values()) for n in (1, 2, 3, 4)}
+        return agreed()
+
+    got = wait_until(
+        probe,
+        SETTLE_S,
+        f"the replicas to agree on {len(expected)} rows",
+        interval_s=0.5,
+        detail=lambda: f"rows per node: {last.get('got')}",
+    )
+    shard1, shard2 = got[1], got[3]
+    twice = {k: n for k, n in (shard1 + shard2).items() if n > 1}
+    assert not twice, f"{len(twice)} row(s) stored more than once, e.g. {sorted(twice.items())[:5]}"
+    assert not set(shard1) & set(shard2)
+    assert set(shard1) | set(shard2) == expected
+    assert shard1 and shard2, "every row on one shard: the shard key does not spread this job"
+
+
+class Writer:
+    """Rank spools being written while the shipper runs: segments of ``collectives`` rows, one
+    ``seq`` per row; every ``mixed``-th segment has rows of every rank (it spans both shards)."""
+
+    def __init__(self, spool: Path, job: str, *, ranks: int = 16, rows: int = 50, mixed: int = 4) -> None:
+        self.job, self.ranks, self.k, self.mixed = job, ranks, rows, mixed
+        self.writers = [SpoolWriter.for_rank(spool, job, 0, r) for r in range(ranks)]
+        self.keys: set[tuple[int, int]] = set()
+        self.segments = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def segment(self) -> None:
+        i = self.segments
+        rank0 = i % self.ranks
+        rows = []
+        for j in range(self.k):
+            rank = (rank0 + j) % self.ranks if i % self.mixed == 0 else rank0
+            seq = i * self.k + j
+            rows.append({"job_id": self.job, "rank": rank, "pg": "0", "seq": seq, "op": "all_reduce", "enter_ns": seq})
+            self.keys.add((rank, seq))
+        self.writers[rank0].write("collectives", rows)
+        self.segments += 1
+
+    def start(self, interval_s: float = 0.02) -> None:
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.segment()
+                time.sleep(interval_s)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+
+def _stored(store: Any, job: str) -> int:
+    return int(store.query(f"SELECT count() FROM collectives WHERE job_id = '{job}'").scalar())
+
+
+def _drain(sh: Shipper) -> None:
+    """Ship until the spool is empty (passes that fail while the cluster recovers are retried)."""
+    wait_until(
+        lambda: sh.ship_once().ok and not sh.pending(), SETTLE_S, "the shipper to drain its spool", interval_s=0.2
+    )
+
+
+@pytest.fixture
+def store(cluster):
+    s = open_store(cluster.url(CLUSTER_DB))
+    yield s
+    s.close()
+
+
+def test_schema_on_every_node_and_rows_on_one_shard_each_replica(cluster, store):
+    job = "c-schema"
+    for n in (1, 2, 3, 4):
+        c = _client(cluster, n)
+        engines = dict(c.execute(f"SELECT name, engine FROM system.tables WHERE database = '{CLUSTER_DB}'"))
+        macros = dict(c.execute("SELECT macro, substitution FROM system.macros"))
+        c.disconnect()
+        assert engines["collectives"] == "Distributed" and engines["collectives_local"] == "ReplicatedMergeTree"
+        assert engines["findings_local"] == "ReplicatedReplacingMergeTree"
+        assert macros == {"shard": f"0{cluster.shard_of(n)}", "replica": f"r{2 - n % 2}"}
+    rows = [
+        {"job_id": job, "rank": r, "pg": "0", "seq": s, "op": "all_reduce", "enter_ns": s}
+        for r in range(8)
+        for s in range(25)
+    ]
+    assert store.write("collectives", rows) == 200
+    _assert_once_on_every_replica(cluster, job, {(r["rank"], r["seq"]) for r in rows})
+
+
+def test_replica_killed_mid_ingest_every_row_once_on_every_replica(cluster, store, tmp_path):
+    job = "c-kill"
+    w = Writer(tmp_path / "spool", job)
+    sh = Shipper(tmp_path / "spool", store, host="node-c", budget=None)
+    w.start()
+    loop = sh.start(interval_s=0.05)
+    try:
+        wait_until(lambda: _stored(store, job) >= 1500, SETTLE_S, "the first rows through the cluster")
+        cluster.kill_node(4)  # shard 2's second replica, while batches are going to it
+        before = _stored(store, job)
+        wait_until(lambda: _stored(store, job) >= before + 1500, SETTLE_S, "rows shipped with a replica dead")
+        cluster.start_node(4)
+        after = _stored(store, job)
+        wait_until(lambda: _stored(store, job) >= after + 500, SETTLE_S, "rows shipped after the restart")
+    finally:
+        w.stop()
+        loop.close(60)
+    _drain(sh)
+    assert not (tmp_path / "spool" / "quarantine").exists()
+    _assert_once_on_every_replica(cluster, job, w.keys)
+
+
+def test_whole_shard_down_the_shipper_spools_and_catches_up(cluster, store, tmp_path):
+    job = "c-shard"
+    w = Writer(tmp_path / "spool", job, mixed=2)
+    for _ in range(12):
+        w.segment()
+    sh = Shipper(tmp_path / "spool", store, host="node-c", budget=None)
+    cluster.stop_node(3)
+    cluster.stop_node(4)
+    try:
+        r = sh.ship_once()
+        assert not r.ok and r.segments == 0, r
+        assert "127.0.0.1" in (r.error or "") or "connection" in (r.error or "").lower(), r.error
+        assert sh.failures >= 1 and len(sh.pending()) == 12
+        for _ in range(6):  # the ranks keep writing
+            w.segment()
+        assert not sh.ship_once().ok and len(sh.pending()) == 18
+    finally:
+        cluster.start_node(3)
+        cluster.start_node(4)
+    _drain(sh)
+    assert sh.failures == 0
+    assert not (tmp_path / "spool" / "quarantine").exists()
+    _assert_once_on_every_replica(cluster, job, w.keys)
+
+
+def test_batch_stored_in_part_is_discarded_and_sent_again(cluster, store, tmp_path):
+    """A Distributed insert interrupted for real: its first block (the rows of shard 1) is stored on
+    shard 1, then both replicas of shard 2 are killed before the second block. The segment is in
+    the shipper's journal (the shipper was killed too); its next pass asks, finds part of it,
+    discards that part on one replica per shard, sends the segment again: every row once."""
+    job = "c-part"
+    c1 = _client(cluster, 1)
+    shard = dict(c1.execute(f"SELECT toInt32(number), cityHash64('{job}', toInt32(number)) % 2 FROM numbers(16)"))
+    # the segment lists shard 1's rows first: the interrupted insert's first block is then exactly
+    # the shard-1 share a whole resend gives shard 1 (the block a replicated table would deduplicate)
+    rows = [
+        {"job_id": job, "rank": r, "pg": "0", "seq": 100 * r + s, "op": "all_reduce", "enter_ns": s}
+        for r in sorted(range(16), key=lambda r: shard[r])
+        for s in range(20)
+    ]
+    k = sum(20 for r in range(16) if shard[r] == 0)
+    spool = tmp_path / "spool"
+    seg = SpoolWriter.for_rank(spool, job, 0, 0).write("collectives", rows)
+    assert seg is not None
+    rel = seg.relative_to(spool).as_posix()
+    iid = ingest_id_of(rel, seg.read_bytes())
+    from ranklens.formats.rows import read_jsonl
+    from ranklens.schema import table
+
+    _name, data = read_jsonl(seg)
+    cols = table("collectives").column_names
+    data = data.set_column(
+        cols.index("ingest_id"), "ingest_id", __import__("pyarrow").array([iid] * len(rows), "uint64")
+    )
+    values = list(zip(*(data.column(c).to_pylist() for c in cols)))
+    gate, failed = threading.Event(), []
+
+    def gen() -> Any:
+        for i, v in enumerate(values):
+            if i == k:
+                gate.wait(120)  # the second block waits until shard 2 is gone
+            yield v
+
+    # the client sends blocks of k rows; min_insert_block_size_rows=1: the server writes each as it
+    # comes (by default it squashes small blocks into one, written at the end)
+    def insert() -> None:
+        try:
+            c1.execute(
+                f"INSERT INTO collectives ({', '.join(cols)}) VALUES",
+                gen(),
+                settings={**INSERT, "insert_block_size": k, "min_insert_block_size_rows": 1},
+            )
+        except Exception as e:  # the expected end: shard 2 is gone
+            failed.append(e)
+
+    t = threading.Thread(target=insert, daemon=True)
+    t.start()
+    try:
+        wait_until(
+            lambda: sum(_local_keys(cluster, 1, job).values()) + sum(_local_keys(cluster, 2, job).values()) >= k,
+            SETTLE_S,
+            "the first block on shard 1",
+        )
+        cluster.kill_node(3)
+        cluster.kill_node(4)
+        gate.set()
+        t.join(120)
+        assert failed, "the insert should have failed with shard 2 gone"
+    finally:
+        gate.set()
+        c1.disconnect()
+        cluster.start_node(3)
+        cluster.start_node(4)
+    # the shipper that sent it died before hearing back: the segment is in its journal, in doubt
+    Journal(spool / JOURNAL, spool, host="node-c").write({rel})
+    sh = Shipper(spool, store, host="node-c", budget=None)
+    assert rel in sh.in_doubt
+    wait_until(lambda: sh.ship_once().ok and not sh.pending(), SETTLE_S, "the segment settled and shipped")
+    _assert_once_on_every_replica(cluster, job, {(r["rank"], r["seq"]) for r in rows})
+
+
+def _ranklens(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("RANKLENS_STORE", None)
+    r = subprocess.run(
+        [sys.executable, "-m", "ranklens.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert r.returncode == 0, f"ranklens {' '.join(args)} exited {r.returncode}: {r.stderr[-2000:]}"
+    return r
+
+
+def _findings(out: str) -> list[tuple]:
+    got = []
+    for item in json.loads(out)["findings"]:
+        f = item.get("finding", item)
+        got.append(
+            (f["kind"], f.get("severity"), tuple(sorted(s["rank"] for s in f.get("suspects", []))), f.get("title"))
+        )
+    return sorted(got)
+
+
+def test_analyze_through_the_distributed_tables_finds_what_one_server_finds(cluster, server_db_url, tmp_path):
+    job = "c-analyze"
+    out = tmp_path / "sim"
+    _ranklens(
+        "simulate",
+        "--ranks",
+        "64",
+        "--steps",
+        "30",
+        "--pp",
+        "2",
+        "--tp",
+        "4",
+        "--fault",
+        "slow_gpu:21:1.5@10",
+        "--seed",
+        "3",
+        "--job",
+        job,
+        "--out",
+        str(out),
+    )
+    files = sorted(str(p) for p in out.glob("*.parquet"))
+    found = {}
+    for name, url in (("cluster", cluster.url(CLUSTER_DB)), ("server", server_db_url)):
+        _ranklens("ingest", "--store", url, *files)
+        r = _ranklens("analyze", "--store", url, "--job", job, "--json", "--no-save")
+        found[name] = _findings(r.stdout)
+    assert found["cluster"], "the slowed rank should be found"
+    assert any(21 in f[2] for f in found["cluster"]), found["cluster"]
+    assert found["cluster"] == found["server"]
