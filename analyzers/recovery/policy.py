@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 
 from ranklens.analyzers.findings import Finding
 from ranklens.analyzers.recovery.api import Level, PolicyError
-from ranklens.analyzers.recovery.executors.api import EXECUTOR_KINDS, NOT_YET, SIGNALS, ExecutorSpec
+from ranklens.analyzers.recovery.executors.api import EXECUTOR_KINDS, NOT_YET, ExecutorSpec, Option, executor_class
 from ranklens.analyzers.recovery.signing import SignatureScheme, standard_key
 from ranklens.formats.severity import Severity
 
@@ -387,21 +387,42 @@ def _executor(r: _Reader, d: Any, i: int) -> ExecutorSpec:
         raise PolicyError(
             r.source, f"{where0}.kind", f"{kind!r} is not an executor kind; one of {sorted(EXECUTOR_KINDS)}"
         )
-    options = EXECUTOR_KINDS[kind]
+    options = executor_class(kind).OPTIONS
     name, where = r.entry(d, "executor", i, {"name", "kind", "levels", "kinds", *options})
     levels = tuple(
         r.level(v, f"{where}.levels")
         for v in r.strings(d, where, "levels", (Level.RESTART_RANK.value, Level.RESTART_JOB.value))
     )
-    opts: dict[str, Any] = {}
-    if "signal" in options:
-        sig = r.string(d, where, "signal", "SIGKILL").upper()
-        if sig not in SIGNALS:
-            raise PolicyError(r.source, f"{where}.signal", f"{sig!r}: one of {', '.join(map(repr, SIGNALS))}")
-        opts["signal"] = sig
-    if "stacks_wait_s" in options:
-        opts["stacks_wait_s"] = r.number(d, where, "stacks_wait_s", 10.0, lo=0, hi=600)
+    opts = {key: _option(r, d, where, key, o) for key, o in options.items()}
     return ExecutorSpec(name=name, kind=kind, levels=levels, kinds=r.strings(d, where, "kinds", ("*",)), options=opts)
+
+
+def _option(r: _Reader, d: Any, where: str, key: str, o: Option) -> Any:
+    """One kind-specific key of an ``[[executor]]`` table, read as its :class:`Option` says."""
+    if o.type == "boolean":
+        return r.boolean(d, where, key, bool(o.default))
+    if o.type == "strings":
+        return r.strings(d, where, key, tuple(o.default))
+    if o.type == "integer":
+        lo, hi = (None if b is None else int(b) for b in (o.lo, o.hi))
+        return r.integer(d, where, key, int(o.default), lo=lo, hi=hi)
+    if o.type == "number":
+        return r.number(d, where, key, float(o.default), lo=o.lo, hi=o.hi)
+    value = r.string(d, where, key, str(o.default))
+    if o.choices:
+        norm = value.upper() if all(c.isupper() for c in o.choices) else value
+        if norm not in o.choices:
+            raise PolicyError(r.source, f"{where}.{key}", f"{value!r}: one of {', '.join(map(repr, o.choices))}")
+        return norm
+    if o.placeholders:
+        try:
+            value.format(**dict.fromkeys(o.placeholders, "x"))
+        except (KeyError, IndexError, ValueError) as e:
+            allowed = ", ".join(f"{{{p}}}" for p in o.placeholders)
+            raise PolicyError(
+                r.source, f"{where}.{key}", f"{value!r}: bad placeholder {e}; allowed: {allowed}"
+            ) from None
+    return value
 
 
 def _rule(r: _Reader, d: Any, i: int) -> PolicyRule:

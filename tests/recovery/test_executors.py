@@ -38,8 +38,9 @@ def test_executor_tables_are_checked_by_name_and_key():
     assert spec.accepts(Level.RESTART_RANK, "hang") and not spec.accepts(Level.RESTART_RANK, "straggler")
     assert not spec.accepts(Level.NOTIFY, "hang")
     for bad, says in [
-        ({"kind": "slurm"}, "the Slurm executor (drain, requeue) is not built yet"),
-        ({"kind": "teleport"}, "'teleport' is not an executor kind; one of ['torchrun']"),
+        ({"kind": "webhook"}, "webhooks are [[endpoint]] tables, not executors"),
+        ({"kind": "teleport"}, "'teleport' is not an executor kind; one of ['kubernetes', 'slurm', 'torchrun']"),
+        ({"kind": "slurm"}, "unknown key(s) ['stacks_wait_s']"),  # the torchrun key on another kind
         ({"colour": "red"}, "unknown key(s) ['colour']"),
         ({"signal": "SIGHUP"}, "'SIGHUP': one of 'SIGKILL', 'SIGTERM', 'SIGINT'"),
         ({"levels": ["reboot"]}, "'reboot' is not a recovery level"),

@@ -18,27 +18,56 @@ have been done) and writes the :class:`ExecResult` as an ``actions`` row (target
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from ranklens.analyzers.recovery.api import Decision, Level
 from ranklens.store.api import Store
 
-__all__ = ["EXECUTOR_KINDS", "SIGNALS", "ExecContext", "ExecResult", "Executor", "ExecutorSpec", "build_executor"]
+__all__ = [
+    "EXECUTOR_KINDS",
+    "SIGNALS",
+    "ExecContext",
+    "ExecResult",
+    "Executor",
+    "ExecutorSpec",
+    "Option",
+    "build_executor",
+    "executor_class",
+]
 
-#: kinds an [[executor]] table may name, with the options each takes
-EXECUTOR_KINDS: dict[str, set[str]] = {"torchrun": {"signal", "stacks_wait_s"}}
+#: kinds an [[executor]] table may name -> the class that implements it (imported when a policy
+#: names the kind; its ``OPTIONS`` are the keys the table may have besides the common ones)
+EXECUTOR_KINDS: dict[str, str] = {
+    "torchrun": "ranklens.analyzers.recovery.executors.torchrun:TorchrunExecutor",
+    "slurm": "ranklens.analyzers.recovery.executors.slurm:SlurmExecutor",
+    "kubernetes": "ranklens.analyzers.recovery.executors.kubernetes:KubernetesExecutor",
+}
 #: signals the torchrun executor may send
 SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT")
-#: kinds asked for that are not built yet, and what to use meanwhile
+#: kinds people ask for that are configured elsewhere, and where
 NOT_YET = {
-    "slurm": "the Slurm executor (drain, requeue) is not built yet: use a hook calling scontrol",
-    "kubernetes": "the Kubernetes executor (cordon, delete pod) is not built yet: use a hook",
     "webhook": "webhooks are [[endpoint]] tables, not executors",
     "hook": "Python hooks are registered with @ranklens.analyzers.recovery.hook, not in [[executor]]",
 }
+
+
+@dataclass(frozen=True)
+class Option:
+    """One kind-specific key of an ``[[executor]]`` table: its type (``string``, ``number``,
+    ``integer``, ``boolean``, ``strings``), default, bounds (numbers), allowed values or template
+    placeholders (strings)."""
+
+    type: str
+    default: Any
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple[str, ...] = ()
+    placeholders: tuple[str, ...] = ()  # a str.format template: the ``{names}`` it may use
+    help: str = ""
 
 
 @dataclass(frozen=True)
@@ -75,6 +104,8 @@ class ExecContext:
 
 
 class Executor(Protocol):
+    #: the kind-specific keys its ``[[executor]]`` table takes (checked by the policy loader)
+    OPTIONS: ClassVar[Mapping[str, Option]]
     spec: ExecutorSpec
 
     def describe(self, decision: Decision) -> str:
@@ -84,9 +115,14 @@ class Executor(Protocol):
         """Carry the decision out; never raises for conditions of the job or the node."""
 
 
-def build_executor(spec: ExecutorSpec) -> Executor:
-    if spec.kind == "torchrun":
-        from ranklens.analyzers.recovery.executors.torchrun import TorchrunExecutor
+def executor_class(kind: str) -> type[Executor]:
+    """The class implementing executor ``kind`` (one of :data:`EXECUTOR_KINDS`)."""
+    if kind not in EXECUTOR_KINDS:
+        raise ValueError(f"unknown executor kind {kind!r}; one of {sorted(EXECUTOR_KINDS)}")
+    module, _, name = EXECUTOR_KINDS[kind].partition(":")
+    cls: type[Executor] = getattr(importlib.import_module(module), name)
+    return cls
 
-        return TorchrunExecutor(spec)
-    raise ValueError(f"unknown executor kind {spec.kind!r}")
+
+def build_executor(spec: ExecutorSpec) -> Executor:
+    return executor_class(spec.kind)(spec)  # type: ignore[call-arg]

@@ -25,11 +25,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ranklens.analyzers.recovery.api import Decision, Level
-from ranklens.analyzers.recovery.executors.api import SIGNALS, ExecContext, ExecResult, ExecutorSpec
+from ranklens.analyzers.recovery.executors.api import SIGNALS, ExecContext, ExecResult, ExecutorSpec, Option
 from ranklens.formats.stacks import read_stack_dump
 from ranklens.store.api import sql_escape as _esc
 
@@ -64,6 +65,11 @@ def innermost_frames(dump: dict[str, Any], *, frames: int = 5) -> list[str]:
 
 
 class TorchrunExecutor:
+    OPTIONS: ClassVar[Mapping[str, Option]] = {
+        "signal": Option("string", "SIGKILL", choices=SIGNALS, help="what ends the stuck rank"),
+        "stacks_wait_s": Option("number", 10.0, lo=0, hi=600, help="how long to wait for its stack dump"),
+    }
+
     def __init__(self, spec: ExecutorSpec) -> None:
         self.spec = spec
         name = str(spec.options.get("signal", "SIGKILL")).upper()
