@@ -8,7 +8,8 @@ the parent's. ``tests/ground/test_config_env.py`` checks that no other module sp
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from ranklens.errors import ConfigError
@@ -38,6 +39,8 @@ __all__ = [
     "ENV_POLICY",
     "ENV_PROFILE_EVERY",
     "ENV_SIGTERM_FLUSH",
+    "ENV_SLURM_JOB_ID",
+    "ENV_SLURM_RESTART_COUNT",
     "ENV_SPOOL",
     "ENV_STORE",
     "ENV_STORE_PASSWORD",
@@ -45,6 +48,8 @@ __all__ = [
     "env_float",
     "env_int",
     "node_name",
+    "slurm_job_name",
+    "slurm_job_of",
 ]
 
 # the store (every command, the dashboard)
@@ -81,6 +86,10 @@ ENV_OUTBOX = "RANKLENS_OUTBOX"  # durable webhook outbox directory
 ENV_ALERTS_TOKEN = "RANKLENS_ALERTS_TOKEN"  # bearer token Alertmanager must send
 ENV_WEBHOOK_SECRET = "RANKLENS_WEBHOOK_SECRET"  # default variable holding an endpoint's signing secret
 
+# Slurm's variables in a job's environment: its job id, and how often it was requeued
+ENV_SLURM_JOB_ID = "SLURM_JOB_ID"
+ENV_SLURM_RESTART_COUNT = "SLURM_RESTART_COUNT"
+
 DEFAULT_STORE_DIR = "ranklens-store"
 DEFAULT_SPOOL_DIR = "/tmp/ranklens-spool"
 
@@ -92,6 +101,24 @@ def node_name() -> str:
     import socket
 
     return os.environ.get(ENV_HOST, "").strip() or socket.gethostname()
+
+
+def slurm_job_name(environ: Mapping[str, str]) -> str | None:
+    """The ranklens job id of a Slurm job: ``slurm-<SLURM_JOB_ID>``, ``-r<n>`` after its n-th requeue
+    (a requeued job runs again under the same Slurm id; deploy/slurm/train.sbatch sets the same);
+    None outside Slurm."""
+    jid = environ.get(ENV_SLURM_JOB_ID, "").strip()
+    if not jid:
+        return None
+    restarts = environ.get(ENV_SLURM_RESTART_COUNT, "").strip()
+    return f"slurm-{jid}" + (f"-r{restarts}" if restarts and restarts != "0" else "")
+
+
+def slurm_job_of(job_id: str) -> str | None:
+    """The Slurm job id inside a ranklens job id made by :func:`slurm_job_name` (``slurm-42-r1`` ->
+    ``42``), else None."""
+    m = re.fullmatch(r"slurm-(\d+(?:_\d+)?)(?:-r\d+)?", job_id)
+    return m.group(1) if m else None
 
 
 def env_int(name: str, default: int, *, minimum: int | None = None) -> int:

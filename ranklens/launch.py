@@ -12,9 +12,12 @@ warning; a store that is down is the CLI's business (it ships once the store is 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -25,7 +28,7 @@ from typing import Any
 from ranklens.collector import Shipper
 from ranklens.collector.shipper import ShipResult
 from ranklens.collector.shipper import hold_collector_lock as collector_lock  # the node agent's own lock
-from ranklens.config import ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL
+from ranklens.config import ENV_DISABLE, ENV_JOB_ID, ENV_SPOOL, slurm_job_name
 from ranklens.errors import ConfigError
 from ranklens.store.api import Store
 
@@ -67,9 +70,15 @@ def traced_env(base: dict[str, str], *, job_id: str, spool_dir: str) -> dict[str
 
 
 def resolve_job_id(job_id: str | None) -> str:
-    """The job id ``ranklens run`` uses: the one given, else ``$RANKLENS_JOB_ID``, else a fresh
-    ``run-<date>-<time>-<6 hex>``."""
-    return job_id or os.environ.get(ENV_JOB_ID) or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    """The job id ``ranklens run`` uses: the one given, else ``$RANKLENS_JOB_ID``, else in a Slurm job
+    ``slurm-<SLURM_JOB_ID>`` (``-r<n>`` once requeued: every node of the job computes the same, and
+    the Slurm executor finds the job from it), else a fresh ``run-<date>-<time>-<6 hex>``."""
+    return (
+        job_id
+        or os.environ.get(ENV_JOB_ID)
+        or slurm_job_name(os.environ)
+        or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    )
 
 
 def run_traced(
@@ -132,12 +141,28 @@ def run_traced(
 
 
 def _run_child(command: Sequence[str], env: dict[str, str]) -> int:
+    """Run the command to its end. A SIGTERM to ``ranklens run`` (Slurm's scancel, requeue, time
+    limit; Kubernetes deleting the pod) is passed on to the command instead of ending ranklens at
+    once, so the caller's last shipping pass and the recovery supervisor's current pass (an executor
+    that just requeued this very job, its ``actions`` row) still run before the process ends."""
     try:
         proc = subprocess.Popen(list(command), env=env)
     except OSError as e:
         raise ConfigError(f"cannot start {command[0]!r}: {e.strerror}") from None
+    forwarding = threading.current_thread() is threading.main_thread()
+    previous: Any = None
+    if forwarding:
+
+        def _forward(signum: int, _frame: object) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+
+        previous = signal.signal(signal.SIGTERM, _forward)
     try:
         return proc.wait()
     except KeyboardInterrupt:
         proc.terminate()
         return proc.wait()
+    finally:
+        if forwarding:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
