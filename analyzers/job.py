@@ -48,7 +48,9 @@ def analyze_job(
     stragglers = find_stragglers(
         store, job_id, attempt, detector=detector, window_steps=window_steps, contention=contention
     )
-    links = find_slow_links(store, job_id, attempt, window_steps=window_steps or 0, contention=contention)
+    # window_steps is the stragglers' recency window (500 steps in the live loop), not the link
+    # analyzer's cell size: passed on, a live pass saw no slow link before step 1000
+    links = find_slow_links(store, job_id, attempt, contention=contention)
     # GPU events and classified log errors around each finding: the earliest is the likely origin
     # stragglers and slow links ranked together by what they cost the job
     ranked = sorted(stragglers + links, key=lambda f: (-f.impact_s, f.id))

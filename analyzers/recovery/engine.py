@@ -348,7 +348,7 @@ class RecoveryEngine:
             t0 = time.monotonic()
             xres: ExecResult
             if d.dry_run:
-                xres = ExecResult("skipped", f"dry run: would send {ex.describe(d)}")
+                xres = ExecResult("skipped", f"dry run: would {ex.describe(d)}")
             else:
                 try:
                     xres = ex.execute(d, self.context)

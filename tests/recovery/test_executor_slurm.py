@@ -149,7 +149,7 @@ def test_dry_run_is_the_default_and_changes_nothing(slurm, running_job, embedded
     (_, _, res) = report.executed[0]
     assert res.outcome == "skipped"
     assert res.detail == (
-        f"dry run: would send drain {NODE} (reason 'ranklens gpu_error {f.id}'); requeue Slurm job {running_job}"
+        f"dry run: would drain {NODE} (reason 'ranklens gpu_error {f.id}'); requeue Slurm job {running_job}"
     )
     assert _node()[0].startswith("allocated"), _node()
     assert _job("Restarts", running_job) == "0" and _job("JobState", running_job) == "RUNNING"

@@ -109,7 +109,8 @@ class Executor(Protocol):
     spec: ExecutorSpec
 
     def describe(self, decision: Decision) -> str:
-        """What :meth:`execute` would do (for dry runs)."""
+        """What :meth:`execute` would do, as a verb phrase ("send SIGKILL to rank 2 ...", "do nothing:
+        why"): a dry run's ``actions`` row says "dry run: would <this>"."""
 
     def execute(self, decision: Decision, ctx: ExecContext) -> ExecResult:
         """Carry the decision out; never raises for conditions of the job or the node."""

@@ -192,7 +192,7 @@ class KubernetesExecutor:
     def describe(self, d: Decision) -> str:
         problem = self._problem(d)
         if problem:
-            return f"nothing: {problem}"
+            return f"do nothing: {problem}"
         verb = self.pod_action
         job, where = d.finding.job_id, f"namespace {self.namespace}, label {self._selector(d.finding.job_id)}"
         if d.level is Level.REPLACE_NODE:
@@ -204,11 +204,12 @@ class KubernetesExecutor:
                 if self.drain_job_pods
                 else " (its pods stay: drain_job_pods = false)"
             )
-            return f"requests to the Kubernetes API: cordon node {nodes}{then}"
+            return f"send requests to the Kubernetes API: cordon node {nodes}{then}"
         if d.level is Level.RESTART_RANK:
             ranks = d.target.partition(":")[2]
-            return f"requests to the Kubernetes API: {verb} the pod of job {job} running rank {ranks} ({where})"
-        return f"requests to the Kubernetes API: {verb} every pod of job {job} ({where}); its controller recreates them"
+            return f"send requests to the Kubernetes API: {verb} the pod of job {job} running rank {ranks} ({where})"
+        api = "send requests to the Kubernetes API"
+        return f"{api}: {verb} every pod of job {job} ({where}); its controller recreates them"
 
     # -- doing it --------------------------------------------------------------------------------
 

@@ -166,7 +166,7 @@ class SlurmExecutor:
     def describe(self, d: Decision) -> str:
         job, nodes, why = self._plan(d, None)
         if why:
-            return why
+            return f"do nothing: {why}"
         parts = []
         if d.level is Level.REPLACE_NODE and self.drain:
             parts.append(

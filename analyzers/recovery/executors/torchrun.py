@@ -91,9 +91,11 @@ class TorchrunExecutor:
     def describe(self, d: Decision) -> str:
         ranks = self._ranks(d)
         if isinstance(ranks, str):
-            return ranks
+            return f"do nothing: {ranks}"
         who = ", ".join(map(str, ranks)) if ranks else "a rank"
-        return f"{self.signal_name} to rank {who} of job {d.finding.job_id}: torch elastic restarts the worker group"
+        return (
+            f"send {self.signal_name} to rank {who} of job {d.finding.job_id}: torch elastic restarts the worker group"
+        )
 
     def execute(self, d: Decision, ctx: ExecContext) -> ExecResult:
         from ranklens.collector.nvml import read_proc_environ
