@@ -27,7 +27,7 @@ from ranklens.config import node_name
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
-__all__ = ["RecoverySupervisor", "RecoveryTimes", "current_attempt", "recovery_times"]
+__all__ = ["RecoverySupervisor", "RecoveryTimes", "current_attempt", "job_recovery_summary", "recovery_times"]
 
 RETIRE_S = 120.0  # an earlier attempt is analysed this long at most after the next one started
 
@@ -193,6 +193,21 @@ class RecoveryTimes:
             "mttr_s": None if self.mttr_s is None else round(self.mttr_s, 3),
             "lost_gpu_s": None if self.lost_gpu_s is None else round(self.lost_gpu_s, 1),
         }
+
+
+def job_recovery_summary(job_id: str, times: list[RecoveryTimes]) -> str:
+    """One line for a job's remediations: how many, how many resumed training, mean MTTD and MTTR
+    and the GPU time the recoveries cost in all (the per-job figures beside the per-finding lines)."""
+    if not times:
+        return f"job {job_id}: no remediation"
+    mttd = sum(t.mttd_s for t in times) / len(times)
+    resumed = [t for t in times if t.mttr_s is not None]
+    line = f"job {job_id}: {len(times)} remediation(s), {len(resumed)} resumed training; mean MTTD {mttd:.1f} s"
+    if resumed:
+        mttr = sum(t.mttr_s or 0.0 for t in resumed) / len(resumed)
+        lost = sum(t.lost_gpu_s or 0.0 for t in resumed)
+        line += f", mean MTTR {mttr:.1f} s, {lost:.0f} GPU-s lost to recovery"
+    return line
 
 
 def recovery_times(store: Store, job_id: str, *, record: bool = True) -> list[RecoveryTimes]:

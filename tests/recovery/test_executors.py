@@ -191,3 +191,17 @@ def test_an_executor_that_raises_is_a_failed_row(embedded_store, tmp_path, monke
     assert report.executed[0][2].outcome == "failed"
     rows = _actions(embedded_store, "boom-job")
     assert rows[-1]["outcome"] == "failed" and "OSError: the launcher is gone" in rows[-1]["detail"]
+
+
+def test_a_jobs_recovery_summary_adds_up_its_remediations():
+    from ranklens.recover import RecoveryTimes, job_recovery_summary
+
+    s = 10**9
+    hang = RecoveryTimes("f1", "hang", "t", 0, 100 * s, 110 * s, 111 * s, 118 * s, 1, 4)
+    crash = RecoveryTimes("f2", "crash", "t", 1, 200 * s, 206 * s, 206 * s, 212 * s, 2, 4)
+    stuck = RecoveryTimes("f3", "hang", "t", 2, 300 * s, 311 * s, 312 * s, None, None, 4)
+    assert job_recovery_summary("j", [hang, crash, stuck]) == (
+        "job j: 3 remediation(s), 2 resumed training; mean MTTD 9.0 s, mean MTTR 15.0 s, 120 GPU-s lost to recovery"
+    )
+    assert job_recovery_summary("j", [stuck]) == "job j: 1 remediation(s), 0 resumed training; mean MTTD 11.0 s"
+    assert job_recovery_summary("j", []) == "job j: no remediation"

@@ -41,6 +41,8 @@ def test_a_hung_rank_is_restarted_in_place_and_training_resumes(tmp_path):
     assert "executor elastic: acknowledged: SIGKILL to rank 2" in out
     line = next(x for x in out.splitlines() if "recovery: hang" in x and "MTTR" in x)
     assert "training resumed (attempt 1's first step done)" in line
+    summary = next(x for x in out.splitlines() if "recovery: job " in x and "remediation(s)" in x)
+    assert "1 remediation(s), 1 resumed training; mean MTTD" in summary and "GPU-s lost to recovery" in summary
 
     store = open_store(url, create=False)
     job = store.query("SELECT DISTINCT job_id FROM heartbeats").scalar()
