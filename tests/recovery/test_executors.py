@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -126,10 +127,51 @@ def test_a_stack_dump_from_before_the_hang_is_not_taken_for_it(embedded_store, t
         main = {"thread": "MainThread", "main": True, "frames": []}
         old = {"rank": 0, "pid": p.pid, "ts_ns": time.time_ns() - 3600 * 10**9, "threads": [main]}
         (stacks / "stacks_rank_0.json").write_text(json.dumps(old))
-        ex = build_executor(ExecutorSpec("elastic", "torchrun", options={"stacks_wait_s": 0}))
+        ex = build_executor(ExecutorSpec("elastic", "torchrun", options={"stacks_wait_s": 0, "py_spy": ""}))
         ctx = ExecContext(store=embedded_store, host=node_name(), spool_dir=str(tmp_path))
         res = ex.execute(_decision(finding(job_id=job, kind="hang", rank=0, duration_s=60)), ctx)
         assert res.outcome == "acknowledged" and "no stack dump of rank 0 within 0 s" in res.detail
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_without_a_tracer_dump_py_spy_reads_the_stuck_ranks_stack(embedded_store, tmp_path):
+    """A rank whose tracer cannot dump (spinning in C with the GIL, or untraced): py-spy reads its
+    stack from outside, in the tracer's format, before the restart."""
+    from ranklens.analyzers.recovery.executors.torchrun import find_tool
+
+    py_spy = find_tool("py-spy")
+    if py_spy is None:
+        pytest.skip("py-spy is not installed (pip install py-spy; the dev extra has it)")
+    job = "pyspy-job"
+    script = tmp_path / "stuck.py"
+    script.write_text("import time\n\n\ndef wait_for_data():\n    time.sleep(600)\n\n\nwait_for_data()\n")
+    env = {**os.environ, ENV_JOB_ID: job, "RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
+    p = subprocess.Popen([sys.executable, str(script)], env=env)
+    try:
+        _beat(embedded_store, job, 0, p.pid)
+        ex = build_executor(ExecutorSpec("elastic", "torchrun", options={"stacks_wait_s": 0.5}))
+        ctx = ExecContext(store=embedded_store, host=node_name(), spool_dir=str(tmp_path))
+        deadline = time.monotonic() + 30  # the process is in its sleep before we look
+        while (
+            "wait_for_data"
+            not in subprocess.run([py_spy, "dump", "--pid", str(p.pid)], capture_output=True, text=True).stdout
+        ):
+            assert time.monotonic() < deadline, "py-spy never saw the script's frame"
+            time.sleep(0.2)
+        res = ex.execute(_decision(finding(job_id=job, kind="hang", rank=0, duration_s=5)), ctx)
+        assert res.outcome == "acknowledged", res.detail
+        assert _wait_gone(p) == -9
+        (sig,) = res.data["signalled"]
+        assert sig["source"] == "py-spy"
+        assert sig["innermost"][0] == f"{script}:5 wait_for_data: time.sleep(600)"
+        assert "rank 0's stack before it (py-spy): " + sig["innermost"][0] in res.detail
+        doc = json.loads(Path(sig["stacks"]).read_text())
+        assert Path(sig["stacks"]).name == "stacks_rank_0.pyspy.json" and doc["pid"] == p.pid
+        from ranklens.formats.stacks import read_stack_dump
+
+        assert read_stack_dump(sig["stacks"])["threads"][0]["main"] is True  # the post-mortem reader reads it
     finally:
         p.kill()
         p.wait()

@@ -13,7 +13,10 @@ both come down to ending one worker of the group — for a hang, the stuck rank 
 2. before the restart, the rank's Python stacks: the tracer writes them with every flight-recorder
    dump (``<spool>/<job>/<attempt>/stacks/stacks_rank_<r>.json``); the executor waits up to
    ``stacks_wait_s`` for that file and puts the innermost frames of its main thread in the result
-   (the engine attaches them to the finding), so the cause survives the restart;
+   (the engine attaches them to the finding), so the cause survives the restart; when none came (a
+   rank spinning in C with the GIL held cannot run the tracer's dump thread, an untraced process),
+   ``py-spy dump`` reads the stacks from outside the process where py-spy is installed, written
+   beside the tracer's as ``stacks_rank_<r>.pyspy.json`` in the same format;
 3. ``signal`` (SIGKILL by default: a rank stuck in C++ may never handle a SIGTERM) to that process.
 
 A rank already gone is ``skipped`` (torch elastic handles a dead worker by itself). ``replace_node``
@@ -22,8 +25,13 @@ is ``skipped``: torchrun cannot move a rank to another node.
 
 from __future__ import annotations
 
+import json
+import linecache
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,7 +42,10 @@ from ranklens.analyzers.recovery.executors.api import SIGNALS, ExecContext, Exec
 from ranklens.formats.stacks import read_stack_dump
 from ranklens.store.api import sql_escape as _esc
 
-__all__ = ["TorchrunExecutor", "innermost_frames"]
+__all__ = ["TorchrunExecutor", "find_tool", "innermost_frames"]
+
+#: the longest a ``py-spy dump`` of one rank may take
+PY_SPY_TIMEOUT_S = 10.0
 
 
 def _short(host: str) -> str:
@@ -68,6 +79,9 @@ class TorchrunExecutor:
     OPTIONS: ClassVar[Mapping[str, Option]] = {
         "signal": Option("string", "SIGKILL", choices=SIGNALS, help="what ends the stuck rank"),
         "stacks_wait_s": Option("number", 10.0, lo=0, hi=600, help="how long to wait for its stack dump"),
+        "py_spy": Option(
+            "string", "py-spy", help="py-spy (name or path) when the tracer's dump did not come; '' never"
+        ),
     }
 
     def __init__(self, spec: ExecutorSpec) -> None:
@@ -76,6 +90,7 @@ class TorchrunExecutor:
         self.signal_name = name if name in SIGNALS else "SIGKILL"
         self.signal = getattr(signal, self.signal_name)
         self.stacks_wait_s = float(spec.options.get("stacks_wait_s", 10.0))
+        self.py_spy = str(spec.options.get("py_spy", "py-spy"))
 
     def _ranks(self, d: Decision) -> list[int] | str:
         if d.level is Level.REPLACE_NODE:
@@ -161,7 +176,8 @@ class TorchrunExecutor:
         )
         for x in done:
             if x.get("innermost"):
-                detail += f"; rank {x['rank']}'s stack before it: {x['innermost'][0]} (all of it: {x['stacks']})"
+                how = " (py-spy)" if x.get("source") == "py-spy" else ""
+                detail += f"; rank {x['rank']}'s stack before it{how}: {x['innermost'][0]} (all of it: {x['stacks']})"
             elif "stacks" in x:
                 detail += f"; no stack dump of rank {x['rank']} within {self.stacks_wait_s:g} s"
         if notes:
@@ -183,5 +199,62 @@ class TorchrunExecutor:
             if dump is not None and dump["pid"] == pid and dump["ts_ns"] >= since_ns - 1_000_000_000:
                 return {"stacks": str(path), "innermost": innermost_frames(dump)}
             if time.monotonic() >= deadline:
-                return {"stacks": None}
+                return self._py_spy(path.with_name(f"stacks_rank_{rank}.pyspy.json"), rank, pid, ctx)
             ctx.sleep(0.2)
+
+    def _py_spy(self, path: Path, rank: int, pid: int, ctx: ExecContext) -> dict[str, Any]:
+        """The rank's stacks read by ``py-spy dump`` (no tracer dump came), written to ``path`` in
+        the tracer's dump format; ``{"stacks": None}`` when py-spy is missing or fails."""
+        exe = find_tool(self.py_spy) if self.py_spy else None
+        if exe is None:
+            return {"stacks": None}
+        try:
+            p = subprocess.run(
+                [exe, "dump", "--pid", str(pid), "--json"],
+                capture_output=True,
+                text=True,
+                timeout=PY_SPY_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+            )
+            threads = json.loads(p.stdout) if p.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            threads = None
+        if not isinstance(threads, list) or not threads:
+            return {"stacks": None}
+        doc = {
+            "rank": rank,
+            "pid": pid,
+            "ts_ns": ctx.clock_ns(),
+            "reason": f"py-spy dump: no tracer dump within {self.stacks_wait_s:g} s",
+            "threads": [_from_py_spy(t, pid) for t in threads if isinstance(t, dict)],
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(doc))
+            where: str | None = str(path)
+        except OSError:
+            where = None  # the frames still go on the finding
+        return {"stacks": where, "innermost": innermost_frames(doc), "source": "py-spy"}
+
+
+def find_tool(name: str) -> str | None:
+    """``name`` on PATH, else beside this interpreter (a virtual environment's bin/, whose tools are
+    not on PATH when ranklens runs as ``.venv/bin/ranklens``)."""
+    return shutil.which(name) or shutil.which(name, path=os.path.dirname(sys.executable))
+
+
+def _from_py_spy(t: dict[str, Any], pid: int) -> dict[str, Any]:
+    """One thread of ``py-spy dump --json`` (frames innermost first, no source) as the tracer's dump
+    has it (frames innermost last, with the line's code)."""
+    frames = [
+        {
+            "file": str(fr.get("filename", "?")),
+            "line": int(fr.get("line") or 0),
+            "func": str(fr.get("name", "?")),
+            "code": linecache.getline(str(fr.get("filename", "")), int(fr.get("line") or 0)).strip(),
+        }
+        for fr in reversed(t.get("frames") or [])
+        if isinstance(fr, dict)
+    ]
+    main = t.get("thread_name") == "MainThread" or t.get("os_thread_id") == pid
+    return {"thread": str(t.get("thread_name") or t.get("thread_id", "?")), "main": bool(main), "frames": frames}
