@@ -177,6 +177,57 @@ def test_without_a_tracer_dump_py_spy_reads_the_stuck_ranks_stack(embedded_store
         p.wait()
 
 
+def test_without_a_tracer_dump_torchs_worker_server_gives_the_stack(embedded_store, tmp_path):
+    """A script under torch elastic's worker_main serves dump_traceback on $TORCH_WORKER_SERVER_SOCKET
+    (the handler behind torch's debug server's /stacks): the executor asks it before py-spy."""
+    job = "torch-ws-job"
+    script = tmp_path / "served.py"
+    script.write_text(
+        "import time\n"
+        "from torch.distributed.elastic.control_plane import worker_main\n\n\n"
+        "def stuck_in_collective():\n    time.sleep(600)\n\n\n"
+        "with worker_main():\n    stuck_in_collective()\n"
+    )
+    sock = tmp_path / "ws.sock"
+    env = {**os.environ, ENV_JOB_ID: job, "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"}
+    env["TORCH_WORKER_SERVER_SOCKET"] = str(sock)
+    p = subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():  # the server is up once its socket is
+            assert p.poll() is None and time.monotonic() < deadline, "the worker server never came up"
+            time.sleep(0.1)
+        _beat(embedded_store, job, 1, p.pid)
+        ex = build_executor(ExecutorSpec("elastic", "torchrun", options={"stacks_wait_s": 0, "py_spy": ""}))
+        ctx = ExecContext(store=embedded_store, host=node_name(), spool_dir=str(tmp_path))
+        res = ex.execute(_decision(finding(job_id=job, kind="hang", rank=1, duration_s=5)), ctx)
+        assert res.outcome == "acknowledged", res.detail
+        assert _wait_gone(p) == -9
+        (sig,) = res.data["signalled"]
+        assert sig["source"] == "torch"
+        assert sig["innermost"][0] == f"{script}:6 stuck_in_collective: time.sleep(600)", sig["innermost"]
+        assert Path(sig["stacks"]).name == "stacks_rank_1.torch.json"
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_faulthandler_text_parses_into_the_dump_format():
+    from ranklens.formats.stacks import parse_faulthandler
+
+    text = (
+        "Current thread 0x00007f0000000001 (most recent call first):\n  <no Python frame>\n\n"
+        "Thread 0x00007f0000000002 (most recent call first):\n"
+        '  File "/x/loader.py", line 9 in fetch\n  File "/usr/lib/python3.11/threading.py", line 1002 in run\n\n'
+        "Thread 0x00007f0000000003 (most recent call first):\n"
+        '  File "/x/train.py", line 40 in step\n  File "/x/train.py", line 80 in <module>\n'
+    )
+    threads = parse_faulthandler(text)
+    assert [(t["thread"], t["main"]) for t in threads] == [("0x00007f0000000002", False), ("0x00007f0000000003", True)]
+    assert [(f["func"], f["line"]) for f in threads[1]["frames"]] == [("<module>", 80), ("step", 40)]
+    assert parse_faulthandler("garbage\n") == [] and parse_faulthandler("") == []
+
+
 def test_a_rank_on_another_node_is_not_signalled(embedded_store):
     _beat(embedded_store, "remote-job", 1, 12345, host="some-other-node")
     ex = build_executor(ExecutorSpec("elastic", "torchrun"))

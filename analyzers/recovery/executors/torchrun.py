@@ -15,8 +15,10 @@ both come down to ending one worker of the group — for a hang, the stuck rank 
    ``stacks_wait_s`` for that file and puts the innermost frames of its main thread in the result
    (the engine attaches them to the finding), so the cause survives the restart; when none came (a
    rank spinning in C with the GIL held cannot run the tracer's dump thread, an untraced process),
-   ``py-spy dump`` reads the stacks from outside the process where py-spy is installed, written
-   beside the tracer's as ``stacks_rank_<r>.pyspy.json`` in the same format;
+   torch's worker server answers ``dump_traceback`` where the script runs under torch elastic's
+   ``worker_main`` (``$TORCH_WORKER_SERVER_SOCKET``: ``stacks_rank_<r>.torch.json``), else ``py-spy
+   dump`` reads the stacks from outside the process where py-spy is installed
+   (``stacks_rank_<r>.pyspy.json``), each beside the tracer's dump and in its format;
 3. ``signal`` (SIGKILL by default: a rank stuck in C++ may never handle a SIGTERM) to that process.
 
 A rank already gone is ``skipped`` (torch elastic handles a dead worker by itself). ``replace_node``
@@ -39,13 +41,17 @@ from typing import Any, ClassVar
 
 from ranklens.analyzers.recovery.api import Decision, Level
 from ranklens.analyzers.recovery.executors.api import SIGNALS, ExecContext, ExecResult, ExecutorSpec, Option
-from ranklens.formats.stacks import read_stack_dump
+from ranklens.formats.stacks import parse_faulthandler, read_stack_dump
 from ranklens.store.api import sql_escape as _esc
 
 __all__ = ["TorchrunExecutor", "find_tool", "innermost_frames"]
 
 #: the longest a ``py-spy dump`` of one rank may take
 PY_SPY_TIMEOUT_S = 10.0
+#: the longest torch's worker server may take to answer ``dump_traceback``
+WORKER_SERVER_TIMEOUT_S = 5.0
+#: torch elastic's variable: the unix socket of a rank's worker server (control_plane.worker_main)
+TORCH_WORKER_SERVER_SOCKET = "TORCH_WORKER_SERVER_SOCKET"
 
 
 def _short(host: str) -> str:
@@ -154,7 +160,7 @@ class TorchrunExecutor:
             if not _is_rank(env, f.job_id, rank, f.attempt):
                 notes.append(f"pid {pid} is no longer rank {rank} of job {f.job_id} attempt {f.attempt}: left alone")
                 continue
-            stacks = self._stacks(ctx, f.job_id, f.attempt, rank, pid, f.first_seen_ns)
+            stacks = self._stacks(ctx, f.job_id, f.attempt, rank, pid, f.first_seen_ns, env)
             try:
                 os.kill(pid, self.signal)
             except ProcessLookupError:
@@ -176,7 +182,7 @@ class TorchrunExecutor:
         )
         for x in done:
             if x.get("innermost"):
-                how = " (py-spy)" if x.get("source") == "py-spy" else ""
+                how = f" ({x['source']})" if x.get("source") else ""
                 detail += f"; rank {x['rank']}'s stack before it{how}: {x['innermost'][0]} (all of it: {x['stacks']})"
             elif "stacks" in x:
                 detail += f"; no stack dump of rank {x['rank']} within {self.stacks_wait_s:g} s"
@@ -185,7 +191,14 @@ class TorchrunExecutor:
         return ExecResult("acknowledged", detail, {"signalled": done})
 
     def _stacks(
-        self, ctx: ExecContext, job_id: str, attempt: int, rank: int, pid: int, since_ns: int
+        self,
+        ctx: ExecContext,
+        job_id: str,
+        attempt: int,
+        rank: int,
+        pid: int,
+        since_ns: int,
+        env: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """The rank's stack dump written for this hang (by this process, not before the finding's
         onset: a periodic dump from earlier would show the wrong moment), waited for up to
@@ -199,8 +212,60 @@ class TorchrunExecutor:
             if dump is not None and dump["pid"] == pid and dump["ts_ns"] >= since_ns - 1_000_000_000:
                 return {"stacks": str(path), "innermost": innermost_frames(dump)}
             if time.monotonic() >= deadline:
+                socket_path = (env or {}).get(TORCH_WORKER_SERVER_SOCKET, "")
+                if socket_path:
+                    got = self._worker_server(
+                        socket_path, path.with_name(f"stacks_rank_{rank}.torch.json"), rank, pid, ctx
+                    )
+                    if got.get("innermost"):
+                        return got
                 return self._py_spy(path.with_name(f"stacks_rank_{rank}.pyspy.json"), rank, pid, ctx)
             ctx.sleep(0.2)
+
+    def _worker_server(self, socket_path: str, path: Path, rank: int, pid: int, ctx: ExecContext) -> dict[str, Any]:
+        """The rank's stacks from torch's worker server (a script under
+        ``torch.distributed.elastic.control_plane.worker_main`` serves ``dump_traceback`` on the unix
+        socket ``$TORCH_WORKER_SERVER_SOCKET``; the handler behind torch's debug server's ``/stacks``)."""
+        import http.client
+        import socket
+
+        class _Unix(http.client.HTTPConnection):
+            def connect(self) -> None:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.settimeout(self.timeout)
+                self.sock.connect(socket_path)
+
+        conn = _Unix("localhost", timeout=WORKER_SERVER_TIMEOUT_S)
+        try:
+            conn.request("POST", "/handler/dump_traceback")
+            resp = conn.getresponse()
+            text = resp.read().decode("utf-8", "replace") if resp.status == 200 else ""
+        except (OSError, http.client.HTTPException):
+            text = ""
+        finally:
+            conn.close()
+        threads = parse_faulthandler(text)
+        if not threads:
+            return {"stacks": None}
+        return self._write_dump(path, rank, pid, ctx, threads, "torch worker server dump_traceback", "torch")
+
+    def _write_dump(
+        self, path: Path, rank: int, pid: int, ctx: ExecContext, threads: list[dict[str, Any]], how: str, source: str
+    ) -> dict[str, Any]:
+        doc = {
+            "rank": rank,
+            "pid": pid,
+            "ts_ns": ctx.clock_ns(),
+            "reason": f"{how}: no tracer dump within {self.stacks_wait_s:g} s",
+            "threads": threads,
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(doc))
+            where: str | None = str(path)
+        except OSError:
+            where = None  # the frames still go on the finding
+        return {"stacks": where, "innermost": innermost_frames(doc), "source": source}
 
     def _py_spy(self, path: Path, rank: int, pid: int, ctx: ExecContext) -> dict[str, Any]:
         """The rank's stacks read by ``py-spy dump`` (no tracer dump came), written to ``path`` in
@@ -221,20 +286,8 @@ class TorchrunExecutor:
             threads = None
         if not isinstance(threads, list) or not threads:
             return {"stacks": None}
-        doc = {
-            "rank": rank,
-            "pid": pid,
-            "ts_ns": ctx.clock_ns(),
-            "reason": f"py-spy dump: no tracer dump within {self.stacks_wait_s:g} s",
-            "threads": [_from_py_spy(t, pid) for t in threads if isinstance(t, dict)],
-        }
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(doc))
-            where: str | None = str(path)
-        except OSError:
-            where = None  # the frames still go on the finding
-        return {"stacks": where, "innermost": innermost_frames(doc), "source": "py-spy"}
+        parsed = [_from_py_spy(t, pid) for t in threads if isinstance(t, dict)]
+        return self._write_dump(path, rank, pid, ctx, parsed, "py-spy dump", "py-spy")
 
 
 def find_tool(name: str) -> str | None:
