@@ -123,3 +123,23 @@ st.json({k: v for k, v in ev.items() if k not in ("sql", "per_step")}, expanded=
 if ev.get("sql"):
     st.markdown("The query that reproduces it (`ranklens sql`):")
     st.code(str(ev["sql"]), language="sql")
+
+recoveries = q.cached("job_recoveries", ctx.store_url, ctx.job_id)
+if not recoveries.empty:
+    st.markdown(
+        "**Recovery** (remediations carried out: fault onset to detection, MTTD, and to training resumed, MTTR)"
+    )
+    resumed = recoveries[recoveries["mttr_s"].notna()]
+    rc = st.columns(5)
+    rc[0].metric("remediations", len(recoveries))
+    rc[1].metric("resumed training", len(resumed))
+    mttd = recoveries["mttd_s"].dropna()
+    rc[2].metric("mean MTTD", f"{float(mttd.mean()):.1f} s" if len(mttd) else "—")
+    rc[3].metric("mean MTTR", f"{float(resumed['mttr_s'].mean()):.1f} s" if len(resumed) else "—")
+    rc[4].metric(
+        "GPU time lost to recovery", f"{float(resumed['lost_gpu_s'].sum()):.0f} GPU-s" if len(resumed) else "—"
+    )
+    st.dataframe(
+        recoveries.assign(decided=[ui.fmt_ns(int(t)) for t in recoveries["decided_ns"]]).drop(columns=["decided_ns"]),
+        hide_index=True,
+    )

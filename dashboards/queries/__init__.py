@@ -28,7 +28,7 @@ from typing import Any
 from ranklens.config import ENV_STORE
 from ranklens.dashboards.queries._cache import data_version
 from ranklens.dashboards.queries._sql import MAX_CELLS, MAX_SERIES, RANK_DETAIL_MAX, ROW_LIMIT, TTL_S
-from ranklens.dashboards.queries.findings import finding_actions, finding_history, findings
+from ranklens.dashboards.queries.findings import finding_actions, finding_history, findings, job_recoveries
 from ranklens.dashboards.queries.gpu_logs import GPU_METRICS, gpu_events, gpu_series, log_classes, log_events
 from ranklens.dashboards.queries.hangs import group_names, hang_groups, heartbeat_ages, rank_last_activity
 from ranklens.dashboards.queries.heatmaps import HEAT_AXES, HEAT_METRICS, choose_heat_axis, heatmap
@@ -87,6 +87,7 @@ __all__ = [
     "heartbeat_ages",
     "heatmap",
     "job_bounds",
+    "job_recoveries",
     "ledger_blame",
     "link_bandwidth",
     "list_jobs",
@@ -122,6 +123,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
         findings,
         finding_history,
         finding_actions,
+        job_recoveries,
         worst_ranks,
         timeline_phases,
         timeline_collectives,

@@ -1,4 +1,5 @@
-"""Findings: the newest version of each, a finding's history and its recovery actions."""
+"""Findings: the newest version of each, a finding's history, its recovery actions, and a job's
+remediations with their MTTD / MTTR."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pandas as pd
 from ranklens.dashboards.queries._sql import esc, frame
 from ranklens.store.api import Store
 
-__all__ = ["finding_actions", "finding_history", "findings"]
+__all__ = ["finding_actions", "finding_history", "findings", "job_recoveries"]
 
 _FINDING_COLS = (
     "attempt",
@@ -78,3 +79,30 @@ def finding_actions(store: Store, finding_id: str, limit: int = 500) -> pd.DataF
         f"SELECT ts_ns, action, target, attempt_no, outcome, detail, idempotency_key FROM actions "
         f"WHERE finding_id = '{esc(finding_id)}' ORDER BY ts_ns LIMIT {int(limit)}",
     )
+
+
+#: what the ``resumed`` rows' detail holds (written by ``ranklens run --recover``, ranklens/recover.py)
+_RECOVERY_FIELDS = ("kind", "mttd_s", "mttr_s", "lost_gpu_s", "resumed_attempt")
+
+
+def job_recoveries(store: Store, job_id: str, limit: int = 500) -> pd.DataFrame:
+    """Every live remediation decision of a job (not ``notify``), oldest first, with the MTTD, MTTR
+    and lost GPU time of those after which training resumed (their ``resumed`` row; the others have
+    empty figures): ``finding_id, action, target, decided_ns`` and :data:`_RECOVERY_FIELDS`."""
+    j = esc(job_id)
+    df = frame(
+        store,
+        "SELECT finding_id, d_action AS action, d_target AS target, decided_ns, resumed_detail FROM ("
+        # aliases unlike the columns: ClickHouse would read the WHERE's `action` as the aggregate
+        "SELECT finding_id, idempotency_key, any(action) AS d_action, any(target) AS d_target, "
+        "min(ts_ns) AS decided_ns "
+        f"FROM actions WHERE job_id = '{j}' AND outcome = 'decided' AND action != 'notify' "
+        "GROUP BY finding_id, idempotency_key) AS d ALL LEFT JOIN ("
+        "SELECT idempotency_key, any(detail) AS resumed_detail FROM actions "
+        f"WHERE job_id = '{j}' AND outcome = 'resumed' GROUP BY idempotency_key) AS r USING idempotency_key "
+        f"ORDER BY decided_ns LIMIT {int(limit)}",
+    )
+    details = [_parse_json(t) for t in df.get("resumed_detail", [])]
+    for k in _RECOVERY_FIELDS:
+        df[k] = [d.get(k) for d in details] if details else []
+    return df.drop(columns=["resumed_detail"], errors="ignore")

@@ -286,3 +286,28 @@ def test_page_load_is_fast(dash_store, monkeypatch):
         t = time.perf_counter()
         _page(at, script)
         assert time.perf_counter() - t < 20
+
+
+def test_findings_page_shows_the_jobs_recoveries(dash_store, monkeypatch):
+    from ranklens.store import open_store
+
+    detail = {"kind": "hang", "mttd_s": 10.0, "mttr_s": 20.0, "lost_gpu_s": 80.0, "resumed_attempt": 1}
+    base = {"finding_id": "f-recovered", "job_id": dash_store["job"], "action": "restart_rank", "target": "rank:1"}
+    open_store(dash_store["url"], create=False).write(
+        "actions",
+        [
+            {**base, "idempotency_key": "rk1", "outcome": "decided", "ts_ns": 1},
+            {**base, "idempotency_key": "rk1", "outcome": "resumed", "ts_ns": 2, "detail": json.dumps(detail)},
+        ],
+    )
+    from ranklens.dashboards import queries as q
+
+    q._cached.clear()  # another test of this module may have cached the job's recoveries before these rows
+    at = _app(dash_store["url"], monkeypatch, job=dash_store["job"])
+    _page(at, "page_findings.py")
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["remediations"] == "1" and metrics["resumed training"] == "1"
+    assert (metrics["mean MTTD"], metrics["mean MTTR"]) == ("10.0 s", "20.0 s")
+    assert metrics["GPU time lost to recovery"] == "80 GPU-s"
+    table = next(d for d in _frames(at) if "mttr_s" in d.columns)
+    assert table["finding_id"].tolist() == ["f-recovered"]

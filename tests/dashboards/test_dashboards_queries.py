@@ -259,3 +259,38 @@ def test_launcher_command_and_errors(tmp_path):
         dashboard_command("", 8501)
     with pytest.raises(StoreUnavailable, match="no ranklens store"):
         start_dashboard(f"embedded://{tmp_path / 'missing'}", "127.0.0.1", 8601)
+
+
+def test_job_recoveries_pair_each_remediation_with_its_mttd_and_mttr(store):
+    import json
+
+    def row(fid, key, outcome, ts, action="restart_rank", detail=""):
+        return {
+            "finding_id": fid,
+            "job_id": "rec-job",
+            "action": action,
+            "target": "rank:2",
+            "idempotency_key": key,
+            "outcome": outcome,
+            "ts_ns": ts,
+            "detail": detail,
+        }
+
+    resumed = {"kind": "hang", "mttd_s": 10.5, "mttr_s": 18.25, "lost_gpu_s": 73.0, "resumed_attempt": 1}
+    store.write(
+        "actions",
+        [
+            row("f1", "k1", "decided", 100),
+            row("f1", "k1", "acknowledged", 101),
+            row("f1", "k1", "resumed", 200, detail=json.dumps(resumed)),
+            row("f2", "k2", "decided", 300, action="replace_node"),  # training did not resume (yet)
+            row("f3", "k3", "decided", 400, action="notify"),  # not a remediation
+            {**row("f4", "k4", "decided", 50), "job_id": "another-job"},
+        ],
+    )
+    df = q.job_recoveries(store, "rec-job")
+    assert df["finding_id"].tolist() == ["f1", "f2"] and df["action"].tolist() == ["restart_rank", "replace_node"]
+    first = df.iloc[0]
+    assert (first["kind"], first["mttd_s"], first["mttr_s"], first["lost_gpu_s"]) == ("hang", 10.5, 18.25, 73.0)
+    assert pd.isna(df.iloc[1]["mttr_s"]) and pd.isna(df.iloc[1]["kind"])
+    assert q.job_recoveries(store, "no-such-job").empty
