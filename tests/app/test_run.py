@@ -83,3 +83,32 @@ def test_bootstrap_chains_a_shadowed_sitecustomize(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     out = out.stdout.split()
     assert out == ["1", "True"]
+
+
+def test_a_sigterm_to_ranklens_run_reaches_the_command_and_the_last_pass_still_runs(tmp_path):
+    """Slurm's scancel / requeue / time limit and a deleted pod send SIGTERM: `ranklens run` passes it
+    on to its command and ends only after its last shipping pass (before, it died at once)."""
+    import signal
+
+    child = tmp_path / "child.py"
+    got = tmp_path / "got-sigterm"
+    child.write_text(
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(got)!r}, 'w').close(), sys.exit(7)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKLENS_")}
+    cmd = [sys.executable, "-m", "ranklens.cli", "run", "--store", f"embedded://{tmp_path}/store"]
+    cmd += ["--spool", str(tmp_path / "spool"), "--job-id", "term-job", "--", sys.executable, "-u", str(child)]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"  # the command runs
+        p.send_signal(signal.SIGTERM)
+        _out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert got.exists(), err  # the command got the SIGTERM
+    assert p.returncode == 7, err  # ranklens run exits with the command's code
+    assert "ranklens run: job term-job exited 7" in err  # after its last pass, not killed midway
