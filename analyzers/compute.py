@@ -2,8 +2,9 @@
 
 A rank that waits for a slow peer has a long step but a short compute time; the slow rank itself
 has the long compute time. So the metric is, per (rank, step), the step's duration minus the time
-the rank spent inside collectives (``end - enter`` of its calls in that step, clipped to the step),
-and the same per phase. It is measured on each rank's own clock, so clock skew between hosts does
+the rank was blocked in collectives (from each of its entries to the last completion before its
+next entry: a sync call's ``end - enter``, an async batch's last issue to its last completion;
+clipped to the step), and the same per phase. It is measured on each rank's own clock, so clock skew between hosts does
 not touch it. Peers are ranks doing the same work: the same pipeline stage when the ``ranks`` table
 knows the coordinate, else every rank of the job.
 
@@ -32,9 +33,8 @@ def _waits_subquery(job_id: str, attempt: int, min_step: int = 0, max_step: int 
     # `only` (" AND rank IN (...)") limits whose waits are summed; a collective's last arrival is every member's
     return (
         "SELECT rank, step, groupArray(enter_ns) AS enters, "
-        "groupArray(if(end_ns > 0, end_ns, greatest(last_enter_ns, enter_ns))) AS ends, "
-        "groupArray(async_op) AS asyncs "
-        f"FROM (SELECT rank, step, pg, seq, enter_ns, end_ns, async_op FROM collectives "
+        "groupArray(if(end_ns > 0, end_ns, greatest(last_enter_ns, enter_ns))) AS ends "
+        f"FROM (SELECT rank, step, pg, seq, enter_ns, end_ns FROM collectives "
         f"WHERE {where} AND step >= {int(min_step)}{upto}{only}) AS cc "
         "ALL LEFT JOIN (SELECT pg, seq, max(enter_ns) AS last_enter_ns FROM collectives "
         f"WHERE {where} AND end_ns = 0 GROUP BY pg, seq) AS lg USING (pg, seq) "
@@ -42,16 +42,37 @@ def _waits_subquery(job_id: str, attempt: int, min_step: int = 0, max_step: int 
     )
 
 
-# Time a rank was blocked in collectives issued within [start_ns, end_ns), clipped to it:
-# - a synchronous call blocks from its arrival to its completion;
-# - asynchronous calls (DDP's gradient buckets) overlap the rank's own compute: it is blocked only
-#   after it issued the last of them, until the last completes.
+# Time a rank was blocked in collectives issued within [start_ns, end_ns), clipped to it. A rank
+# acts when it enters a collective; between two of its entries it either computes or waits. It is
+# taken as blocked from an entry until the last completion that came before its next entry (or the
+# window's end): it had issued all it could and waited for that work to finish. For a sync call
+# that is its arrival to its completion; for a batch of async calls (DDP's gradient buckets, or the
+# cross-node exchanges a forward issues and then waits for) the batch's last issue to its last
+# completion, whatever else the step issues later. (Taking one async batch per step, the last
+# issue to the last completion of *all* the step's async calls, counted an exchange the forward
+# waited on as compute whenever backward issued DDP buckets after it: behind a throttled link every
+# rank then "computed" the link's time, and its noise named healthy ranks stragglers.)
+# How, in arrays (no window functions on 18.16, and no lambda captures an array: ClickHouse
+# replicates a captured column per element): completions and entries sorted together as
+# (time, is_entry, rise), a completion before an entry at a tie (a call that returns as the next
+# one is entered ends its gap there); an entry's rise is its time over the previous entry's, so the
+# running sum at a completion is the rank's latest entry before it (the anchor). A completion
+# followed by an entry (or the window's end) is the last of its gap. The intervals of different
+# gaps are disjoint, so their lengths add up. A call with no duration blocks nothing and is left out.
 _IN = "(e >= start_ns AND e < end_ns)"
-_WAIT_EXPR = (
-    f"arraySum(arrayMap((e, x, a) -> if(a = 0 AND {_IN}, greatest(least(x, end_ns) - e, 0), 0), enters, ends, asyncs))"
-    " + if(empty(enters), 0, greatest("
-    f"least(arrayReduce('max', arrayMap((e, x, a) -> if(a = 1 AND {_IN}, x, 0), enters, ends, asyncs)), end_ns)"
-    f" - arrayReduce('max', arrayMap((e, x, a) -> if(a = 1 AND {_IN}, e, 0), enters, ends, asyncs)), 0))"
+# the window's columns (start_ns, end_ns, enters, ends) -> wait_ns, the rank's time blocked in it
+_WAIT_COLUMNS = (
+    f"arrayFilter(e -> {_IN}, enters) AS w_enters_, "
+    f"arrayMap((x, e) -> least(greatest(x, e), end_ns), arrayFilter((x, e) -> {_IN}, ends, enters), w_enters_)"
+    " AS w_ends_, "
+    "arraySort(w_enters_) AS w_sorted_, "
+    "arraySort(arrayConcat("
+    "arrayMap(x -> (x, 0, toInt64(0)), arrayFilter((x, e) -> x > e, w_ends_, w_enters_)), "
+    "arrayMap((e, prev) -> (e, 1, e - prev), w_sorted_, arraySlice(arrayPushFront(w_sorted_, 0), 1, length(w_sorted_)))"
+    ")) AS w_events_, "
+    "arrayCumSum(arrayMap(t -> t.3, w_events_)) AS w_anchor_, "
+    "arraySlice(arrayPushBack(arrayPopFront(arrayMap(t -> t.2, w_events_)), 1), 1, length(w_events_)) AS w_next_, "
+    "arraySum(arrayMap((t, a, nx) -> if(t.2 = 0 AND nx = 1, t.1 - a, 0), w_events_, w_anchor_, w_next_)) AS wait_ns"
 )
 
 
@@ -61,10 +82,11 @@ def compute_sql(job_id: str, attempt: int, min_step: int = 0, max_step: int | No
     straggler analyzer and the dashboards' compute heat map read these rows."""
     upto = f" AND step <= {int(max_step)}" if max_step is not None else ""
     return f"""
-SELECT rank, step, end_ns - start_ns AS dur_ns, {_WAIT_EXPR} AS wait_ns, start_ns
+SELECT rank, step, dur_ns, wait_ns, start_ns FROM (
+SELECT rank, step, end_ns - start_ns AS dur_ns, start_ns, {_WAIT_COLUMNS}
 FROM (SELECT rank, step, start_ns, end_ns FROM steps
       WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND step >= {int(min_step)}{upto}) AS s
-ALL LEFT JOIN ({_waits_subquery(job_id, attempt, min_step, max_step)}) AS c USING (rank, step)
+ALL LEFT JOIN ({_waits_subquery(job_id, attempt, min_step, max_step)}) AS c USING (rank, step))
 ORDER BY step, rank
 """.strip()
 
@@ -87,10 +109,11 @@ def phase_compute_sql(
         only += f" AND step <= {int(max_step)}"
     waits = _waits_subquery(job_id, attempt, max(0, int(min_step or 0)), max_step, only)
     return f"""
-SELECT rank, step, phase, end_ns - start_ns AS dur_ns, {_WAIT_EXPR} AS wait_ns
+SELECT rank, step, phase, dur_ns, wait_ns FROM (
+SELECT rank, step, phase, end_ns - start_ns AS dur_ns, {_WAIT_COLUMNS}
 FROM (SELECT rank, step, phase, start_ns, end_ns FROM phases
       WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}{only}) AS p
-ALL LEFT JOIN ({waits}) AS c USING (rank, step)
+ALL LEFT JOIN ({waits}) AS c USING (rank, step))
 """.strip()
 
 

@@ -1,0 +1,76 @@
+"""A throttled link makes no healthy rank a straggler: time blocked in a slow collective is not compute.
+
+Real data (tests/data/slow_link_exchange/, see its PROVENANCE.md): the network drill's 3-node job,
+one rank per node, whose forward issues async all-reduces in its cross-node pair groups and waits
+for them, and whose backward then issues DDP's async gradient bucket. Node 2's link was throttled
+to 40 Mbit/s at step 8. Every rank's forward then waits 300-450 ms for the pair groups through
+node 2. The compute metric used to take one async batch per step (the last issue to the last
+completion of all the step's async calls: the DDP bucket), so that wait counted as compute on
+every rank (~70 ms -> ~500 ms) and its rank-to-rank noise named healthy ranks 0 and 1 stragglers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ranklens.analyzers import find_stragglers
+from ranklens.analyzers.compute import compute_matrix, phase_compute_sql
+from ranklens.analyzers.job import analyze_job
+
+DATA = Path(__file__).parent.parent / "data" / "slow_link_exchange"
+JOB = "drill-20261205-072325-f60544"
+ONSET_STEP = 8  # tc applied when the ranks reported step 8 (the drill's ground truth)
+TABLES = ("ranks", "process_groups", "steps", "phases", "collectives", "cpu")
+
+
+def _load(store, upto_step: int | None = None) -> None:
+    for table in TABLES:
+        rows = [json.loads(line) for line in (DATA / f"{table}.jsonl").read_text().splitlines()]
+        if upto_step is not None and table in ("steps", "phases", "collectives"):
+            rows = [r for r in rows if r["step"] <= upto_step]
+        store.write(table, rows)
+
+
+def test_the_link_time_is_no_ranks_compute(store):
+    _load(store)
+    cm = compute_matrix(store, JOB)
+    before = np.nanmedian(cm.compute_s[:, 1:ONSET_STEP], axis=1)
+    after = np.nanmedian(cm.compute_s[:, ONSET_STEP + 4 :], axis=1)
+    step_after = np.nanmedian(cm.step_s[:, ONSET_STEP + 4 :], axis=1)
+    # the steps got ~7x longer; what every rank computes did not change (same model, same data)
+    assert np.all(step_after > 4 * before), (step_after, before)
+    assert np.all(np.abs(after - before) < 0.2 * before), (before, after)
+    # and ranks 0 and 1 compute no more than rank 2 (the one behind the slow link)
+    assert np.all(np.abs(after - np.median(after)) < 0.05 * np.median(after)), after
+
+
+def test_an_async_exchange_waited_on_in_forward_is_wait_not_compute(store):
+    _load(store)
+    rows = store.query(phase_compute_sql(JOB, 0, min_step=20, max_step=20)).rows()
+    by = {(int(r), str(p)): (int(d), int(w)) for r, _s, p, d, w in rows}
+    for rank in (0, 1, 2):
+        dur, wait = by[(rank, "forward")]
+        assert dur > 300e6 and dur - wait < 40e6, (rank, dur, wait)  # ~30 ms of layer time, the rest waiting
+
+
+def test_no_straggler_behind_a_throttled_link(embedded_store):
+    _load(embedded_store)
+    stragglers = find_stragglers(embedded_store, JOB)
+    assert stragglers == [], [f.title for f in stragglers]
+    # the link is what analyze names (the first of the two bugs the drill found)
+    findings = analyze_job(embedded_store, JOB)
+    kinds = [(f.kind, f.title) for f in findings]
+    assert [k for k, _ in kinds] == ["slow_link"], kinds
+    assert "node2" in findings[0].title
+
+
+@pytest.mark.parametrize("upto_step", [14, 17, 21, 25])
+def test_no_straggler_in_live_passes(embedded_store, upto_step):
+    """As the drill's live loop saw the job: only the steps reported so far."""
+    _load(embedded_store, upto_step)
+    stragglers = find_stragglers(embedded_store, JOB, window_steps=500)
+    assert stragglers == [], [f.title for f in stragglers]
