@@ -167,7 +167,9 @@ _table(
     ],
     ("job_id", "attempt", "pg", "seq", "rank"),
     "one row per rank x collective call (the arrival ledger)",
-    shard_key="cityHash64(job_id, rank)",
+    # a collective's members on one shard: the analyzers' GROUP BY pg, seq (blame, clocks, links)
+    # merges no partial states across shards; measured in docs/cluster.md (issue 19)
+    shard_key="cityHash64(job_id, pg, seq)",
 )
 _table(
     "phases",

@@ -5,7 +5,7 @@ CREATE DATABASE IF NOT EXISTS ranklens ON CLUSTER 'ranklens';
 CREATE TABLE IF NOT EXISTS ranklens.ranklens_meta ON CLUSTER 'ranklens' (key String, value String, updated_ns Int64) ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/ranklens/ranklens_meta', '{replica}', updated_ns) ORDER BY key;
 -- one row per rank x collective call (the arrival ledger)
 CREATE TABLE IF NOT EXISTS ranklens.collectives_local ON CLUSTER 'ranklens' (job_id String, attempt Int32, rank Int32, pg String, seq Int64, op String, nbytes Int64, dtype String, peer Int32, step Int64, enter_ns Int64, start_ns Int64, end_ns Int64, clock String, async_op UInt8, ingest_id UInt64) ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/ranklens/collectives', '{replica}') ORDER BY (job_id, attempt, pg, seq, rank);
-CREATE TABLE IF NOT EXISTS ranklens.collectives ON CLUSTER 'ranklens' AS ranklens.collectives_local ENGINE = Distributed('ranklens', 'ranklens', 'collectives_local', cityHash64(job_id, rank));
+CREATE TABLE IF NOT EXISTS ranklens.collectives ON CLUSTER 'ranklens' AS ranklens.collectives_local ENGINE = Distributed('ranklens', 'ranklens', 'collectives_local', cityHash64(job_id, pg, seq));
 -- one row per rank x step x phase
 CREATE TABLE IF NOT EXISTS ranklens.phases_local ON CLUSTER 'ranklens' (job_id String, attempt Int32, rank Int32, step Int64, phase String, start_ns Int64, end_ns Int64, ingest_id UInt64) ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/ranklens/phases', '{replica}') ORDER BY (job_id, attempt, rank, step);
 CREATE TABLE IF NOT EXISTS ranklens.phases ON CLUSTER 'ranklens' AS ranklens.phases_local ENGINE = Distributed('ranklens', 'ranklens', 'phases_local', cityHash64(job_id, rank));

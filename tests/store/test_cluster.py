@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 
 from ranklens.collector.journal import Journal
-from ranklens.collector.settle import ingest_id_of
+from ranklens.collector.settle import ingest_id_of, stamp
 from ranklens.collector.shipper import JOURNAL, Shipper
 from ranklens.formats.spool import SpoolWriter
+from ranklens.schema import table
 from ranklens.store import open_store
 from tests._sync import wait_until
 from tests.conftest import CLUSTER_DB
@@ -216,28 +217,27 @@ def test_batch_stored_in_part_is_discarded_and_sent_again(cluster, store, tmp_pa
     discards that part on one replica per shard, sends the segment again: every row once."""
     job = "c-part"
     c1 = _client(cluster, 1)
-    shard = dict(c1.execute(f"SELECT toInt32(number), cityHash64('{job}', toInt32(number)) % 2 FROM numbers(16)"))
+    # which shard each row goes to: the Distributed table's own key (ranklens.schema), slot 0 = shard 1
+    key = table("collectives").shard_key
+    placed = c1.execute(
+        f"SELECT rank, seq, {key} % 2 AS slot FROM (SELECT '{job}' AS job_id, '0' AS pg, "
+        "toInt32(intDiv(number, 20)) AS rank, toInt64(number) AS seq FROM numbers(320)) ORDER BY slot, seq"
+    )
     # the segment lists shard 1's rows first: the interrupted insert's first block is then exactly
     # the shard-1 share a whole resend gives shard 1 (the block a replicated table would deduplicate)
-    rows = [
-        {"job_id": job, "rank": r, "pg": "0", "seq": 100 * r + s, "op": "all_reduce", "enter_ns": s}
-        for r in sorted(range(16), key=lambda r: shard[r])
-        for s in range(20)
-    ]
-    k = sum(20 for r in range(16) if shard[r] == 0)
+    rows = [{"job_id": job, "rank": r, "pg": "0", "seq": s, "op": "all_reduce", "enter_ns": s} for r, s, _ in placed]
+    k = sum(1 for *_, slot in placed if slot == 0)
+    assert 0 < k < len(rows)
     spool = tmp_path / "spool"
     seg = SpoolWriter.for_rank(spool, job, 0, 0).write("collectives", rows)
     assert seg is not None
     rel = seg.relative_to(spool).as_posix()
     iid = ingest_id_of(rel, seg.read_bytes())
     from ranklens.formats.rows import read_jsonl
-    from ranklens.schema import table
 
     _name, data = read_jsonl(seg)
     cols = table("collectives").column_names
-    data = data.set_column(
-        cols.index("ingest_id"), "ingest_id", __import__("pyarrow").array([iid] * len(rows), "uint64")
-    )
+    data = stamp(data, iid)  # the rows exactly as the shipper sends them
     values = list(zip(*(data.column(c).to_pylist() for c in cols)))
     gate, failed = threading.Event(), []
 
