@@ -14,7 +14,7 @@
 # Then:  ranklens schema --target cluster | clickhouse-client --port $CH1_TCP -mn
 #        ranklens ingest --store clickhouse://default@127.0.0.1:$CH1_TCP/ranklens ...
 # Memory is kept modest (ZooKeeper -Xmx192m; per server a 64 MB mark cache, few background
-# threads; 18.16 has no max_server_memory_usage, so the per-query limit is the bound).
+# threads; 18.16 has no max_server_memory_usage: the per-query limit, 4 GB as scripts/clickhouse.sh).
 set -euo pipefail
 cmd=${1:?usage: $0 start|stop|status|start-node|stop-node|kill-node [DIR] [N]}
 dir=${2:-/tmp/ranklens-cluster}
@@ -132,7 +132,7 @@ XML
 <?xml version="1.0"?>
 <yandex>
   <profiles><default>
-    <max_memory_usage>2000000000</max_memory_usage>
+    <max_memory_usage>4000000000</max_memory_usage>
     <background_pool_size>4</background_pool_size>
     <background_schedule_pool_size>8</background_schedule_pool_size>
     <max_threads>2</max_threads>
