@@ -55,9 +55,9 @@ def _waits_subquery(job_id: str, attempt: int, min_step: int = 0, max_step: int 
 # The ledger cannot tell waiting from overlapped compute between an entry and a completion (an early
 # DDP bucket that completes before the next is issued counts as wait). That errs one way only: the
 # rank that everybody waits for arrives last, so its calls complete right after its entries and its
-# compute stands; the ranks that wait for it are the ones whose wait grows. Measured on the network
-# drill's job and the simulated 64/1,024-rank jobs, the sync-only and DDP-only steps are (all but
-# one of 128 DDP steps) unchanged.
+# compute stands; the ranks that wait for it are the ones whose wait grows. On the simulated
+# 64/1,024-rank jobs (sync calls only) and the tests' zero-code DDP jobs the metric is as before
+# (one of 128 DDP steps differs).
 # How, in arrays (no window functions on 18.16, and no lambda captures an array: ClickHouse
 # replicates a captured column per element): completions and entries sorted together as
 # (time, is_entry, rise), a completion before an entry at a tie (a call that returns as the next
