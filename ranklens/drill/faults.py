@@ -12,15 +12,27 @@ what finding detects it, :mod:`ranklens.drill.score`.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from ranklens.errors import ConfigError
 
-__all__ = ["KINDS", "NODE_KINDS", "DrillFault", "DrillKind", "parse_drill_fault", "rate_bps", "validate_targets"]
+__all__ = [
+    "KINDS",
+    "NODE_KINDS",
+    "DrillFault",
+    "DrillKind",
+    "parse_drill_fault",
+    "rate_bps",
+    "truth_records",
+    "validate_targets",
+]
 
 
 class DrillKind(str, Enum):
@@ -299,3 +311,20 @@ def validate_targets(faults: list[DrillFault], world_size: int | None, nodes: in
             raise ConfigError(f"fault {f.spec!r}: node {f.node} is not a node of this {nodes}-node job ({allowed})")
         if f.kind is DrillKind.SLOW_LINK and nodes is not None and nodes < 2:
             raise ConfigError(f"fault {f.spec!r}: a slow link needs a job of 2 nodes or more (this one has {nodes})")
+
+
+def truth_records(truth_dir: Path, pattern: str = "*.jsonl") -> Iterator[dict[str, Any]]:
+    """The ground-truth records the injected ranks (``rank<R>.jsonl``) and the drill itself
+    (``link.jsonl``: when tc was applied) wrote so far; a line still being written is skipped."""
+    for p in truth_dir.glob(pattern):
+        try:
+            lines = p.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                yield rec

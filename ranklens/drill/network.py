@@ -29,7 +29,7 @@ from types import FrameType
 from typing import Any
 
 from ranklens.analyzers.netbed import NetBed, NetBedError, unavailable_reason
-from ranklens.drill.faults import DrillFault, DrillKind
+from ranklens.drill.faults import DrillFault, DrillKind, truth_records
 from ranklens.errors import ConfigError
 
 __all__ = ["DEFAULT_NODES", "LinkBed", "Throttler", "agent_commands", "needs_bed", "node_count", "torchrun_prefix"]
@@ -236,18 +236,9 @@ class Throttler:
 
     def _due(self) -> dict[int, int]:
         due: dict[int, int] = {}
-        for p in self.truth.glob("rank*.jsonl"):
-            try:
-                lines = p.read_text().splitlines()
-            except OSError:
-                continue
-            for line in lines:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("event") == "due" and int(rec["fault"]) in self.links:
-                    due.setdefault(int(rec["fault"]), int(rec.get("step", -1)))
+        for rec in truth_records(self.truth, "rank*.jsonl"):
+            if rec.get("event") == "due" and int(rec["fault"]) in self.links:
+                due.setdefault(int(rec["fault"]), int(rec.get("step", -1)))
         return due
 
     def _run(self) -> None:

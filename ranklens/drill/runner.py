@@ -31,7 +31,7 @@ from typing import IO, Any
 
 from ranklens.collector import Shipper
 from ranklens.config import ENV_FR_STUCK_S, ENV_HOST, node_name
-from ranklens.drill.faults import DrillFault, DrillKind, validate_targets
+from ranklens.drill.faults import DrillFault, DrillKind, truth_records, validate_targets
 from ranklens.drill.inject import ENV_DRILL
 from ranklens.drill.score import FaultScore, Onset, Seen, Target, costless, score
 from ranklens.errors import ConfigError
@@ -249,20 +249,11 @@ class _FakeGpus:
 def _read_truth(truth: Path) -> tuple[dict[int, dict[str, Any]], dict[int, Onset]]:
     ready: dict[int, dict[str, Any]] = {}
     onsets: dict[int, Onset] = {}
-    for p in truth.glob("*.jsonl"):  # rank<R>.jsonl, and link.jsonl: the slow links' onsets
-        try:
-            lines = p.read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a line being written
-            if rec.get("event") == "ready":
-                ready[int(rec["rank"])] = rec
-            elif rec.get("event") == "onset":
-                onsets.setdefault(int(rec["fault"]), Onset(int(rec["ts_ns"]), int(rec.get("step", -1))))
+    for rec in truth_records(truth):  # rank<R>.jsonl, and link.jsonl: the slow links' onsets
+        if rec.get("event") == "ready":
+            ready[int(rec["rank"])] = rec
+        elif rec.get("event") == "onset":
+            onsets.setdefault(int(rec["fault"]), Onset(int(rec["ts_ns"]), int(rec.get("step", -1))))
     return ready, onsets
 
 
