@@ -1104,9 +1104,30 @@ def _open_for_run(store_url: str | None) -> tuple[Any, str | None]:
     help="Instead of printing DDL: bring the store (--store) of an older schema version up to this one, "
     "keeping every row (new columns take their defaults).",
 )
+@click.option(
+    "--server-version",
+    default="18.16",
+    show_default=True,
+    help="ClickHouse version the DDL is for (--target server): below 21.8 the 18.16 floor; from 21.8 day "
+    "partitions, TTL, codecs and LowCardinality (docs/capacity.md, Schema for weeks).",
+)
+@click.option(
+    "--retention",
+    multiple=True,
+    metavar="TABLE=DAYS",
+    help="Days a table's rows are kept on a current server (0: forever); repeatable. Default per table.",
+)
 @_store_option
 @_errors
-def schema(target: str, database: str, cluster: str, migrate: bool, store_url: str | None) -> None:
+def schema(
+    target: str,
+    database: str,
+    cluster: str,
+    migrate: bool,
+    server_version: str,
+    retention: tuple[str, ...],
+    store_url: str | None,
+) -> None:
     """Print the DDL of ranklens' tables for a ClickHouse server, a cluster, or the embedded store;
     or, with --migrate, upgrade a store made by an older ranklens."""
     if migrate:
@@ -1123,10 +1144,12 @@ def schema(target: str, database: str, cluster: str, migrate: bool, store_url: s
         # the URL may carry the store password: print it redacted, as every other command does
         click.echo(f"migrate: {redact_url(url)} is at schema version {SCHEMA_VERSION}{tail}", err=True)
         return
-    from ranklens.schema import TABLES, render_cluster_ddl, render_server_ddl
+    from ranklens.schema import TABLES, parse_retention, parse_server_version, render_cluster_ddl, render_ddl_for
 
+    keep = parse_retention(retention)
+    version = parse_server_version(server_version)
     if target == "server":
-        click.echo(render_server_ddl(database), nl=False)
+        click.echo(render_ddl_for(database, version, keep), nl=False)
     elif target == "cluster":
         click.echo(render_cluster_ddl(database, cluster), nl=False)
     else:

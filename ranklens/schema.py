@@ -557,3 +557,156 @@ def render_cluster_ddl(database: str = "ranklens", cluster: str = "ranklens") ->
             f"ENGINE = Distributed('{cluster}', '{database}', '{t.name}_local', {t.shard_key});"
         )
     return "\n".join(out) + "\n"
+
+
+# -- schema for weeks: the DDL a current server gets (issue 19) -------------------------------
+#
+# A server at or above CURRENT_SERVER gets day partitions, a TTL (whole parts dropped), codecs,
+# LowCardinality strings and a DateTime64(9) column ``ts`` for Grafana; below it (18.16, Debian's,
+# the floor) the DDL above, unchanged. One conservative gate instead of one per feature: CODEC
+# (19.1), T64 (19.7), TTL (19.6), LowCardinality without a setting (19.x), DateTime64 (20.1),
+# fromUnixTimestamp64Nano (20.5) and ttl_only_drop_parts (20.x) are all in 21.8, an LTS release.
+# Existing tables keep the DDL they were created with: CREATE ... IF NOT EXISTS never alters them.
+
+FLOOR_SERVER = (18, 16)
+CURRENT_SERVER = (21, 8)
+
+# the column a table is partitioned, expired and given ``ts`` by; absent: no partition, no TTL
+# (findings: a ReplacingMergeTree replaces versions only within a partition; process_groups and
+# ranks: their time may be 0, unknown, and they are small)
+TIME_COLUMN: dict[str, str] = {
+    "collectives": "enter_ns",
+    "phases": "start_ns",
+    "steps": "start_ns",
+    "gpu_samples": "ts_ns",
+    "gpu_events": "ts_ns",
+    "log_events": "ts_ns",
+    "heartbeats": "ts_ns",
+    "cpu": "ts_ns",
+    "trace_events": "ts_ns",
+    "actions": "ts_ns",
+    "drops": "ts_ns",
+    "preflight": "ts_ns",
+    "drills": "ts_ns",
+}
+
+# days a row is kept on a current server (0: forever); the raw ledger and samples for weeks,
+# the small tables a person reads back for longer
+DEFAULT_RETENTION_DAYS: dict[str, int] = {
+    "collectives": 14,
+    "phases": 30,
+    "steps": 90,
+    "gpu_samples": 30,
+    "gpu_events": 180,
+    "log_events": 30,
+    "heartbeats": 14,
+    "cpu": 30,
+    "trace_events": 14,
+    "actions": 365,
+    "drops": 30,
+    "preflight": 180,
+    "drills": 0,
+}
+
+# strings with few distinct values (dictionary-encoded on a current server)
+LOW_CARDINALITY = frozenset(
+    {
+        "job_id", "pg", "op", "dtype", "clock", "host", "phase", "kind", "gpu_uuid", "backend",
+        "stream", "rule", "klass", "severity", "cat", "collective", "state", "detector", "action",
+        "outcome", "component", "what", "status", "verdict", "check_name", "unit", "suite",
+    }
+)  # fmt: skip
+
+GRAFANA_TS = "ts"
+
+
+def parse_server_version(text: str) -> tuple[int, int]:
+    """``version()``'s answer (``'18.16.1'``, ``'24.3.2.23'``) as ``(major, minor)``."""
+    parts = text.strip().split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        from ranklens.errors import ConfigError
+
+        raise ConfigError(f"server version {text!r}: expected MAJOR.MINOR[.PATCH...], e.g. 18.16 or 24.3") from None
+
+
+def is_current_server(version: tuple[int, int] | None) -> bool:
+    """Whether a server of ``version`` gets the schema for weeks (None: the floor)."""
+    return version is not None and tuple(version) >= CURRENT_SERVER
+
+
+def parse_retention(items: list[str] | tuple[str, ...]) -> dict[str, int]:
+    """``TABLE=DAYS`` items as retention overrides; a clear error for a bad one (0: keep forever)."""
+    from ranklens.errors import ConfigError
+
+    out: dict[str, int] = {}
+    for item in items:
+        name, sep, days = item.partition("=")
+        if not sep or name not in TIME_COLUMN:
+            raise ConfigError(
+                f"retention {item!r}: expected TABLE=DAYS with TABLE one of {', '.join(TIME_COLUMN)} "
+                "(the others have no time to expire by)"
+            )
+        if not days.strip().isdigit():
+            raise ConfigError(f"retention {item!r}: DAYS must be a whole number >= 0 (0: keep forever)")
+        out[name] = int(days)
+    return out
+
+
+def _current_column(t: Table, c: Column) -> str:
+    type_ = c.type
+    if c.name in LOW_CARDINALITY and type_ == "String":
+        type_ = "LowCardinality(String)"
+    codec = ""
+    if c.type == "Int64" and c.name.endswith("_ns"):
+        codec = " CODEC(T64, ZSTD)"  # docs/capacity.md: the ns timestamps
+    elif c.type == "Int64" and c.name in ("seq", "step"):
+        codec = " CODEC(Delta, ZSTD)"
+    return f"{c.name} {type_}{codec}"
+
+
+def _current_body(t: Table, engine: str, retention: dict[str, int]) -> str:
+    """Columns and engine clauses of ``t`` for a current server."""
+    cols = [_current_column(t, c) for c in t.columns]
+    time_col = TIME_COLUMN.get(t.name)
+    tail = ""
+    if time_col:
+        cols.append(f"{GRAFANA_TS} DateTime64(9) MATERIALIZED fromUnixTimestamp64Nano({time_col})")
+        day = f"toDateTime(intDiv({time_col}, 1000000000))"
+        tail += f" PARTITION BY toYYYYMMDD({day})"
+    tail += f" ORDER BY ({', '.join(t.order_by)})"
+    days = retention.get(t.name, 0) if time_col else 0
+    if days:
+        tail += f" TTL {day} + INTERVAL {days} DAY SETTINGS ttl_only_drop_parts = 1"
+    return f"({', '.join(cols)}) ENGINE = {engine}{tail}"
+
+
+def render_current_server_ddl(
+    database: str = "ranklens", retention: dict[str, int] | None = None, version: tuple[int, int] = CURRENT_SERVER
+) -> str:
+    """``CREATE`` statements for one current ClickHouse server (>= :data:`CURRENT_SERVER`)."""
+    keep = {**DEFAULT_RETENTION_DAYS, **(retention or {})}
+    out = [
+        f"-- ranklens schema version {SCHEMA_VERSION}, one ClickHouse server (>= "
+        f"{CURRENT_SERVER[0]}.{CURRENT_SERVER[1]}): day partitions, TTL, codecs, LowCardinality.",
+        f"-- Generated by `ranklens schema --target server --server-version {version[0]}.{version[1]}`; "
+        "do not edit by hand.",
+        f"CREATE DATABASE IF NOT EXISTS {database};",
+        f"CREATE TABLE IF NOT EXISTS {database}.{META_TABLE} (key String, value String, "
+        "updated_ns Int64) ENGINE = ReplacingMergeTree(updated_ns) ORDER BY key;",
+    ]
+    for t in TABLES.values():
+        out.append(f"-- {t.doc}")
+        out.append(f"CREATE TABLE IF NOT EXISTS {database}.{t.name} {_current_body(t, t.engine, keep)};")
+    return "\n".join(out) + "\n"
+
+
+def render_ddl_for(
+    database: str = "ranklens", version: tuple[int, int] | None = None, retention: dict[str, int] | None = None
+) -> str:
+    """The server DDL for a server of ``version``: the floor below :data:`CURRENT_SERVER`."""
+    if is_current_server(version):
+        assert version is not None
+        return render_current_server_ddl(database, retention, version)
+    return render_server_ddl(database)

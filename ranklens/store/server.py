@@ -19,7 +19,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from ranklens.errors import ConfigError, SchemaVersionError, StoreAuthError, StoreError, StoreUnavailable
 from ranklens.records import decode_replacing
-from ranklens.schema import META_TABLE, SCHEMA_VERSION, render_server_ddl, table
+from ranklens.schema import META_TABLE, SCHEMA_VERSION, parse_server_version, render_ddl_for, table
 from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, arrow_batch, check_batch_rows, rebatch
 
 __all__ = ["ServerConfig", "ServerStore", "hint_url", "redact_url"]
@@ -247,7 +247,10 @@ class ServerStore:
     # -- schema -----------------------------------------------------------------------
     def create_schema(self) -> None:
         """Create the database and every table if missing; record the schema version."""
-        for stmt in render_server_ddl(self.config.database).split(";\n"):
+        # the DDL for this server's version: 18.16 (the floor) as ever, a current one with day
+        # partitions, TTL, codecs (ranklens.schema); tables that exist already keep theirs
+        version = parse_server_version(str(self._execute("SELECT version()", database=False)[0][0]))
+        for stmt in render_ddl_for(self.config.database, version).split(";\n"):
             stmt = "\n".join(line for line in stmt.splitlines() if not line.startswith("--")).strip()
             if stmt:
                 self._execute(stmt, database=False)
