@@ -374,11 +374,53 @@ class GroupTestingDetector:
                 break
             scored.sort(key=lambda x: (-x[0], -x[1], x[2]))
             _score, _o, _n, lk, left, f_cells, purity, k = scored[0]
+            remaining[left] = False  # the link's sporadic earlier slow tests are explained too
+            left, f_cells, purity, k = self._episode(m, lk, left, [i for i in decided_of[lk] if fast[i]])
             confidence = purity * (1.0 - 0.5 ** (k + 1))
             out.append(LinkDetection(lk, tuple(left), tuple(f_cells), purity, k, confidence))
-            remaining[left] = False
             candidates = [c for c in candidates if c[0] != lk]
         return out
+
+    def _episode(
+        self, m: LinkMetrics, link: Link, slow_cells: list[int], fast_cells: list[int]
+    ) -> tuple[list[int], list[int], float, int]:
+        """The link's slow tests from its onset on: its fast tests, purity and independent groups.
+
+        The onset is a change point, not the first slow test: the start of the run of windows up to
+        the last slow one that maximises ``(1 - min_persistence) x slow tests - min_persistence x
+        fast tests`` through the link (the persistence rule of :meth:`_localize`, as the stragglers'
+        densest run), earliest on a tie, among the starts that still leave a detection
+        (``min_slow_tests``, ``min_windows``, ``min_independent``). A sporadic slow test long before
+        the fault (a connection's warm-up, a noisy first step), followed by windows where the link
+        tested fast, is not its onset: it made the network drill's link slow "since step 1" when
+        the throttle came at step 8."""
+        p = self.min_persistence
+        win = {i: int(m.window[i]) for i in (*slow_cells, *fast_cells)}
+        gain: dict[int, float] = defaultdict(float)
+        for i in slow_cells:
+            gain[win[i]] += 1.0 - p
+        last = max(win[i] for i in slow_cells)
+        for i in fast_cells:
+            if win[i] <= last:
+                gain[win[i]] -= p
+        slow_wins = {win[i] for i in slow_cells}
+        best, onset, total = -np.inf, min(slow_wins), 0.0
+        for w in sorted(gain, reverse=True):  # suffix sums, from the last slow window back
+            total += gain[w]
+            if w not in slow_wins:
+                continue
+            cells = [i for i in slow_cells if win[i] >= w]
+            ok = (
+                len(cells) >= self.min_slow_tests
+                and len({win[i] for i in cells}) >= self.min_windows
+                and _independent(m, link, cells) >= self.min_independent
+            )
+            if ok and total >= best:  # >=: the earliest start on a tie
+                best, onset = total, w
+        cells = [i for i in slow_cells if win[i] >= onset]
+        wins = {win[i] for i in cells}
+        fast = [i for i in fast_cells if win[i] in wins]
+        return cells, fast, len(cells) / (len(cells) + len(fast)), _independent(m, link, cells)
 
 
 def _independent(m: LinkMetrics, link: Link, cells: list[int]) -> int:
