@@ -94,7 +94,7 @@ def find_incidents(store: Store, job_id: str, attempt: int = 0) -> list[Finding]
         "SELECT klass, rank, host, min(ts_ns) AS first_ns, max(ts_ns) AS last_ns, sum(repeat_count) AS n, "
         "max(severity = 'critical') AS critical, argMin(message, ts_ns) AS message, argMin(source, ts_ns) AS src "
         f"FROM log_events WHERE job_id = '{j}' AND attempt = {int(attempt)} AND severity IN ('error', 'critical') "
-        f"AND klass != '{NONFINITE}' "
+        f"AND klass != '{NONFINITE}'{_before_clean_end(store, j, attempt)} "
         "GROUP BY klass, rank, host ORDER BY first_ns LIMIT 1000"
     ).to_pylist()
     out += _torchrun_crashes(store, job_id, attempt)
@@ -124,6 +124,21 @@ def find_incidents(store: Store, job_id: str, attempt: int = 0) -> list[Finding]
             )
         )
     return out
+
+
+def _before_clean_end(store: Store, j: str, attempt: int) -> str:
+    """A filter of log lines to those written before the attempt ended cleanly (every rank's last
+    heartbeat says it shut tracing down: ``exited = 1``); '' while a rank runs or ended otherwise.
+    What a launcher logs after that is its own shutdown, not the job's fault: torch elastic's agents
+    race on the exit barrier when the agent that hosts the store leaves first (``recvValueWithTimeout
+    failed``, ``Error waiting on exit barrier`` and its traceback, with the job's exit code 0)."""
+    r = store.query(
+        "SELECT uniqExact(rank) AS ranks, uniqExactIf(rank, exited = 1) AS clean, maxIf(ts_ns, exited = 1) AS end_ns "
+        f"FROM heartbeats WHERE job_id = '{j}' AND attempt = {int(attempt)}"
+    ).to_pylist()
+    if not r or int(r[0]["ranks"]) == 0 or int(r[0]["clean"]) < int(r[0]["ranks"]):
+        return ""
+    return f" AND ts_ns <= {int(r[0]['end_ns'])}"
 
 
 NONFINITE = "nonfinite_grad"  # the tracer's check before DDP's all-reduce (tracing/_nonfinite.py)

@@ -39,12 +39,12 @@ __all__ = [
     "ENV_POLICY",
     "ENV_PROFILE_EVERY",
     "ENV_SIGTERM_FLUSH",
-    "ENV_SLURM_JOB_ID",
-    "ENV_SLURM_RESTART_COUNT",
     "ENV_SPOOL",
     "ENV_STORE",
     "ENV_STORE_PASSWORD",
     "ENV_WEBHOOK_SECRET",
+    "SLURM_JOB_ID_VAR",
+    "SLURM_RESTART_COUNT_VAR",
     "env_float",
     "env_int",
     "node_name",
@@ -87,8 +87,8 @@ ENV_ALERTS_TOKEN = "RANKLENS_ALERTS_TOKEN"  # bearer token Alertmanager must sen
 ENV_WEBHOOK_SECRET = "RANKLENS_WEBHOOK_SECRET"  # default variable holding an endpoint's signing secret
 
 # Slurm's variables in a job's environment: its job id, and how often it was requeued
-ENV_SLURM_JOB_ID = "SLURM_JOB_ID"
-ENV_SLURM_RESTART_COUNT = "SLURM_RESTART_COUNT"
+SLURM_JOB_ID_VAR = "SLURM_JOB_ID"
+SLURM_RESTART_COUNT_VAR = "SLURM_RESTART_COUNT"
 
 DEFAULT_STORE_DIR = "ranklens-store"
 DEFAULT_SPOOL_DIR = "/tmp/ranklens-spool"
@@ -107,10 +107,10 @@ def slurm_job_name(environ: Mapping[str, str]) -> str | None:
     """The ranklens job id of a Slurm job: ``slurm-<SLURM_JOB_ID>``, ``-r<n>`` after its n-th requeue
     (a requeued job runs again under the same Slurm id; deploy/slurm/train.sbatch sets the same);
     None outside Slurm."""
-    jid = environ.get(ENV_SLURM_JOB_ID, "").strip()
+    jid = environ.get(SLURM_JOB_ID_VAR, "").strip()
     if not jid:
         return None
-    restarts = environ.get(ENV_SLURM_RESTART_COUNT, "").strip()
+    restarts = environ.get(SLURM_RESTART_COUNT_VAR, "").strip()
     return f"slurm-{jid}" + (f"-r{restarts}" if restarts and restarts != "0" else "")
 
 

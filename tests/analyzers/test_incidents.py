@@ -175,3 +175,21 @@ def test_a_different_collective_is_a_desync_and_a_tie_blames_both_sides(store):
     # a healthy ledger: nothing
     store.write("collectives", [_coll("fine", r, s, 64) for s in range(1, 30) for r in range(4)])
     assert not [f for f in find_incidents(store, "fine") if f.kind in ("size_mismatch", "desync")]
+
+
+def test_a_launchers_lines_after_every_rank_ended_cleanly_are_not_findings(store):
+    """torch elastic's exit-barrier race after a successful multi-node job (the network drill's false
+    log_error): lines after every rank's clean exit are the launcher's shutdown; before it, or while a
+    rank has not ended cleanly, they count."""
+    j = "clean-end"
+    barrier = "E1205 api.py:1008] Error waiting on exit barrier. Elapsed: 0.021"
+    oom = "[rank1]: torch.OutOfMemoryError: CUDA out of memory."
+    store.write(
+        "log_events",
+        [_log(j, 1, "cuda_oom", "error", 1_000, oom), _log(j, -1, "rank_failure", "error", 9_000, barrier, "node1")],
+    )
+    beats = [{"job_id": j, "attempt": 0, "rank": r, "ts_ns": 5_000 + r, "host": "node7", "exited": 1} for r in (0, 1)]
+    store.write("heartbeats", [{**beats[0], "exited": 0}, beats[1]])  # rank 0 not ended yet
+    assert sorted(f.evidence["class"] for f in find_incidents(store, j)) == ["cuda_oom", "rank_failure"]
+    store.write("heartbeats", [beats[0]])  # now every rank ended cleanly, before the barrier line
+    assert [f.evidence["class"] for f in find_incidents(store, j)] == ["cuda_oom"]

@@ -365,6 +365,10 @@ def test_per_rank_step_time_and_collective_wait_from_a_real_job(tmp_path, embedd
            "RANKLENS_SPOOL": str(spool), "RANKLENS_JOB_ID": "metrics-job", "OMP_NUM_THREADS": "1"}  # fmt: skip
     steps = 80
     args = ["--steps", str(steps), "--compute-ms", "30", "--slow-rank", "1", "--slowdown", "3", "--slow-from-step", "0"]
+
+    def by_rank(m: dict, name: str) -> dict[str, float]:
+        return {dict(k[1])["rank"]: v for k, v in m.items() if k[0] == name and dict(k[1])["job_id"] == "metrics-job"}
+
     agent = Agent(agent_config(tmp_path, nvml=False, logs=()), store=embedded_store)
     agent.start()  # before the job: its ranks are live while it runs, then end with it
     job = dict(node="node-a", job_id="metrics-job")
@@ -375,10 +379,12 @@ def test_per_rank_step_time_and_collective_wait_from_a_real_job(tmp_path, embedd
             for r in range(2)
         ]
 
-        def running() -> dict | None:  # both ranks live, a few steps in
+        def running() -> dict | None:  # both ranks live, a few steps in, both among the slowest (top 3)
             m = _scrape(agent.metrics_port)
             live = _metric(m, "ranklens_node_ranks", **job) == 2
-            return m if live and _metric(m, "ranklens_node_last_step", **job, stat="min") >= 3 else None
+            top = set(by_rank(m, "ranklens_rank_step_duration_seconds"))
+            stepping = _metric(m, "ranklens_node_last_step", **job, stat="min") >= 3
+            return m if live and stepping and top == {"0", "1"} else None
 
         m = wait_until(running, 120.0, "both ranks live and stepping on /metrics", procs=procs)
         assert [p.wait(120) for p in procs] == [0, 0]
@@ -393,9 +399,6 @@ def test_per_rank_step_time_and_collective_wait_from_a_real_job(tmp_path, embedd
             if p.poll() is None:
                 p.kill()
         agent.stop()
-
-    def by_rank(m: dict, name: str) -> dict[str, float]:
-        return {dict(k[1])["rank"]: v for k, v in m.items() if k[0] == name and dict(k[1])["job_id"] == "metrics-job"}
 
     assert 0.05 < _metric(m, "ranklens_node_step_duration_seconds", **job, stat="max") < 2.0  # lock-step: slow pace
     assert abs(_metric(m, "ranklens_node_heartbeat_timestamp_seconds", **job, stat="max") - time.time()) < 120
