@@ -31,6 +31,7 @@ from typing import Any
 from ranklens.analyzers.netbed import NetBed, NetBedError, unavailable_reason
 from ranklens.drill.faults import DrillFault, DrillKind, truth_records
 from ranklens.errors import ConfigError
+from ranklens.formats.process import pid_alive
 
 __all__ = ["DEFAULT_NODES", "LinkBed", "Throttler", "agent_commands", "needs_bed", "node_count", "torchrun_prefix"]
 
@@ -138,22 +139,12 @@ def agent_commands(command: Sequence[str], bed: NetBed, *, port: int = MASTER_PO
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_beds(log: Callable[[str], None]) -> None:
     """Remove the beds of drills that are gone (SIGKILLed before their teardown)."""
     r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     pids = {int(m.group(1)) for m in re.finditer(rf"^{_PREFIX}(\d+)-(?:br|n\d+)\b", r.stdout, re.M)}
     for pid in sorted(pids):
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             log(f"drill: removing the network bed of drill process {pid}, which is gone")
             try:
                 NetBed(0, prefix=f"{_PREFIX}{pid}").down()

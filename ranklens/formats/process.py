@@ -11,7 +11,7 @@ from typing import Any
 
 from ranklens.config import node_name
 
-__all__ = ["pid_alive_local", "pid_namespace", "stop_process"]
+__all__ = ["pid_alive", "pid_alive_local", "pid_namespace", "stop_process"]
 
 
 def pid_namespace() -> int:
@@ -27,6 +27,12 @@ def pid_alive_local(host: str, pid: int) -> bool | None:
     """True/False when ``host`` is this machine and the pid can be checked, else None (unknown)."""
     if host not in (node_name(), socket.gethostname()) or pid <= 0:
         return None
+    return pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine (and pid namespace) runs: it exists (or exists as
+    another user's) and is not a zombie."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
