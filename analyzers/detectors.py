@@ -133,6 +133,7 @@ MIN_RESOLVED_HOT = 8  # ...and is a straggler only when it lasted at least this 
 # persistent: host noise (a scheduler hiccup, a GC pause) lasts a fraction of a second however many
 # steps it spans, and step-free jobs count iterations of a few tens of ms (5 of them: 0.15 s).
 MIN_SHORT_RUN_S = 0.5
+ONSET_LOOKBACK = 3  # steps before a run's first hot step that may still be its own (at its level)
 
 
 def _persistent_run(
@@ -170,6 +171,7 @@ def _persistent_run(
     if n_hot < min_hot or n_hot < persistence * (b - a + 1):
         return None
     if level is not None:
+        a = _onset_before(lv[: b + 1], a, float(np.median(lv[a : b + 1][hot[a : b + 1]])))
         n = len(hot)
         rest = lv[b + 1 :]
         if len(rest) and float(rest.mean()) >= LEVEL_TRIM * float(np.median(lv[a : b + 1][hot[a : b + 1]])):
@@ -212,6 +214,21 @@ def _migrating(runs: list[_Run], keep: list[_Run]) -> set[int]:
                 out.add(r.rank)
                 break
     return out
+
+
+def _onset_before(lv: np.ndarray, a: int, level: float) -> int:
+    """The onset ``a`` (a run's first hot step) moved back over the steps just before it that are
+    at the run's level (every one at least ``LEVEL_TRIM`` of it) but were not hot: on a busy host
+    the bar a step must clear to be hot is the host's noise, and a slowdown's first steps can miss
+    it by chance (a 50 ms straggler's onset was named three steps late on a loaded CI host). Where
+    the level changed is the two-level fit's call, at most ``ONSET_LOOKBACK`` steps back."""
+    lo = max(0, a - ONSET_LOOKBACK)
+    if lo >= a or not level > 0:
+        return a
+    c = _change_point(lv, lo, a)
+    if c < a and bool(np.all(lv[c:a] >= LEVEL_TRIM * level)):
+        return c
+    return a
 
 
 def _change_point(x: np.ndarray, lo: int, hi: int) -> int:
@@ -397,6 +414,11 @@ class PeerComputeDetector:
                 with np.errstate(all="ignore"), warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
                     ratio = float(np.nanmedian(block[k, a : b + 1]) / np.nanmedian(med[k, a : b + 1]))
+                if not ratio >= 1.0 + self.min_excess_ratio:
+                    # hot steps, but over the run its compute is within the floor of its peers': the
+                    # hot steps were the peers' dips or a few outliers (a drill on a loaded host named a
+                    # rank at +2% this way), not a rank that computes longer
+                    continue
                 out.append(PeerDetection(int(cm.ranks[i]), a, b, n_hot / (b - a + 1), n_hot, b - a + 1, ex, ratio))
         moved = _migrating(runs, [r for r in runs if r.rank in {d.rank for d in out}])
         return [d for d in out if d.rank not in moved]

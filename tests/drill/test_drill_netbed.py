@@ -47,7 +47,7 @@ def test_a_throttled_node_link_is_found_live_and_named(tmp_path):
     assert _beds() <= before, "the drill left its network bed behind"
     # what ranklens must find: node 2's link, live, and no straggler on a healthy node (the ranks'
     # time blocked in the slow pair groups is waiting, not compute: tests/data/slow_link_exchange)
-    assert d["passed"] and not d["false_findings"], json.dumps(d, indent=1)
+    assert d["passed"] and not d["false_findings"], json.dumps(d, indent=1) + _why(url, d)
     assert f["detected"] and f["kind_ok"] and f["culprit_ok"] and r.returncode == 0
     assert f["finding"]["kind"] == "slow_link" and "node2" in f["finding"]["title"]
 
@@ -64,3 +64,21 @@ def test_a_slow_link_drill_without_root_exits_2_naming_why(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "a slow_link drill throttles a real link on a network-namespace bed" in r.stderr
     assert "needs root (uid 1000)" in r.stderr
+
+
+def _why(url: str, d: dict) -> str:
+    """On failure, what a diagnosis of a false finding needs (the drill's store is gone with the
+    test's tmp dir): the findings' evidence as stored, and every rank's compute per step."""
+    from ranklens.analyzers.compute import compute_matrix
+
+    store = open_store(url, create=False)
+    ids = ", ".join(f"'{f['id']}'" for f in d["false_findings"]) or "''"
+    out = ["", "false findings' evidence:"]
+    for fid, ev in store.query(f"SELECT id, any(evidence) FROM findings WHERE id IN ({ids}) GROUP BY id").rows():
+        e = json.loads(ev)
+        e.pop("sql", None)
+        out.append(f"{fid}: {json.dumps(e)[:3000]}")
+    cm = compute_matrix(store, d["job_id"])
+    out.append("compute ms per rank x step:")
+    out += [f"rank {r}: {[round(x * 1000) for x in row]}" for r, row in zip(cm.ranks.tolist(), cm.compute_s.tolist())]
+    return "\n".join(out)
