@@ -1108,7 +1108,7 @@ def _open_for_run(store_url: str | None) -> tuple[Any, str | None]:
     "--server-version",
     default="18.16",
     show_default=True,
-    help="ClickHouse version the DDL is for (--target server): below 21.8 the 18.16 floor; from 21.8 day "
+    help="ClickHouse version the DDL is for (--target server or cluster): below 21.8 the 18.16 floor; from 21.8 day "
     "partitions, TTL, codecs and LowCardinality (docs/capacity.md, Schema for weeks).",
 )
 @click.option(
@@ -1144,14 +1144,14 @@ def schema(
         # the URL may carry the store password: print it redacted, as every other command does
         click.echo(f"migrate: {redact_url(url)} is at schema version {SCHEMA_VERSION}{tail}", err=True)
         return
-    from ranklens.schema import TABLES, parse_retention, parse_server_version, render_cluster_ddl, render_ddl_for
+    from ranklens.schema import TABLES, parse_retention, parse_server_version, render_cluster_ddl_for, render_ddl_for
 
     keep = parse_retention(retention)
     version = parse_server_version(server_version)
     if target == "server":
         click.echo(render_ddl_for(database, version, keep), nl=False)
     elif target == "cluster":
-        click.echo(render_cluster_ddl(database, cluster), nl=False)
+        click.echo(render_cluster_ddl_for(database, cluster, version, keep), nl=False)
     else:
         for t in TABLES.values():
             click.echo(

@@ -140,3 +140,54 @@ def test_checked_in_current_ddl_is_up_to_date():
     assert path.read_text() == render_ddl_for("ranklens", (24, 3)), (
         "regenerate: ranklens schema --server-version 24.3 > deploy/clickhouse/single-current.sql"
     )
+
+
+def test_cluster_ddl_is_the_floor_below_the_gate_and_the_checked_in_current_one_is_up_to_date():
+    from pathlib import Path
+
+    from ranklens.schema import render_cluster_ddl, render_cluster_ddl_for
+
+    assert render_cluster_ddl_for("ranklens", "ranklens", (18, 16)) == render_cluster_ddl()
+    path = Path(__file__).resolve().parents[2] / "deploy/clickhouse/cluster-current.sql"
+    assert path.read_text() == render_cluster_ddl_for("ranklens", "ranklens", (24, 3)), (
+        "regenerate: ranklens schema --target cluster --server-version 24.3 > deploy/clickhouse/cluster-current.sql"
+    )
+
+
+def test_current_cluster_ddl_parses_and_its_local_tables_run_on_chdb():
+    """A current server's own parser (chDB's formatQuery) takes every statement; the local tables,
+    without ON CLUSTER and replication (chDB has no Keeper), are created, partitioned and expired
+    as on one current server, and the Distributed tables keep the floor's shard keys."""
+    import re
+
+    from ranklens.schema import render_cluster_ddl_for
+
+    session = pytest.importorskip("chdb.session")
+    s = session.Session()
+    db = f"rl_cweeks_{time.time_ns()}"
+    try:
+        version = parse_server_version(str(s.query("SELECT version()", "CSV")).strip().strip('"'))
+        ddl = render_cluster_ddl_for(db, "ranklens", version, {"collectives": 7})
+        stmts = _statements(ddl)
+        assert len(stmts) == 2 + 2 * len(TABLES)
+        for stmt in stmts:
+            parsed = str(s.query(f"SELECT formatQuery({_literal(stmt)})", "TSVRaw"))
+            assert parsed.startswith("CREATE"), (stmt, parsed)
+        s.query(f"CREATE DATABASE IF NOT EXISTS {db}")
+        for stmt in stmts:
+            if " AS " in stmt and "Distributed(" in stmt:
+                assert "cityHash64" in stmt or "rand()" in stmt, stmt
+                continue
+            if stmt.startswith("CREATE DATABASE"):
+                continue
+            local = stmt.replace(" ON CLUSTER 'ranklens'", "")
+            local = re.sub(r"Replicated(\w*)MergeTree\('[^']*', '\{replica\}'(, )?", r"\1MergeTree(", local)
+            s.query(local)
+        create = str(s.query(f"SHOW CREATE TABLE {db}.collectives_local", "TSVRaw"))
+        assert "PARTITION BY toYYYYMMDD" in create and "toIntervalDay(7)" in create
+        assert "`seq` Int64 CODEC(Delta(8), ZSTD(1))" in create and "`ts` DateTime64(9) MATERIALIZED" in create
+        findings = str(s.query(f"SHOW CREATE TABLE {db}.findings_local", "TSVRaw"))
+        assert "ReplacingMergeTree" in findings and "PARTITION BY" not in findings
+    finally:
+        s.query(f"DROP DATABASE IF EXISTS {db}")
+        s.close()
