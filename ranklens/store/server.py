@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -19,7 +20,15 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from ranklens.errors import ConfigError, SchemaVersionError, StoreAuthError, StoreError, StoreUnavailable
 from ranklens.records import decode_replacing
-from ranklens.schema import META_TABLE, SCHEMA_VERSION, parse_server_version, render_ddl_for, table
+from ranklens.schema import (
+    META_TABLE,
+    SCHEMA_VERSION,
+    is_current_server,
+    parse_retention,
+    parse_server_version,
+    render_ddl_for,
+    table,
+)
 from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, arrow_batch, check_batch_rows, rebatch
 
 __all__ = ["ServerConfig", "ServerStore", "hint_url", "redact_url"]
@@ -64,13 +73,17 @@ class ServerConfig:
     connect_timeout_s: float = 5.0
     send_receive_timeout_s: float = 300.0
     retries: int = 3
+    # days rows are kept, per table, on a current server (``?retention=collectives:7,heartbeats:3``);
+    # the others keep ranklens.schema.DEFAULT_RETENTION_DAYS
+    retention: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def from_url(cls, url: str, *, password_env: str | None = None) -> ServerConfig:
         """Parse ``clickhouse://user:password@host:port/database?verify=false&ca_certs=...``.
 
         ``clickhouses://`` means TLS (default port 9440). A password absent from the URL is
-        taken from ``password_env`` when given.
+        taken from ``password_env`` when given. ``retention=TABLE:DAYS[,TABLE:DAYS...]`` sets how
+        long a current server (21.8+) keeps each table's rows when the store creates its tables.
         """
         parts = urlsplit(url)
         if parts.scheme not in ("clickhouse", "clickhouses"):
@@ -84,11 +97,18 @@ class ServerConfig:
             port = parts.port or (9440 if secure else 9000)
         except ValueError as e:
             raise ConfigError(f"bad port in store URL: {e}") from None
-        allowed = {"verify", "ca_certs", "connect_timeout", "send_receive_timeout", "retries"}
+        allowed = {"verify", "ca_certs", "connect_timeout", "send_receive_timeout", "retries", "retention"}
         unknown = set(q) - allowed
         if unknown:
             raise ConfigError(f"unknown store URL option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
         password = unquote(parts.password) if parts.password is not None else (password_env or "")
+        keep = q.get("retention", "")
+        try:
+            retention = parse_retention([x.strip().replace(":", "=", 1) for x in keep.split(",") if x.strip()])
+        except ConfigError as e:
+            raise ConfigError(
+                f"store URL option retention={keep!r}: expected TABLE:DAYS[,TABLE:DAYS...] ({e})"
+            ) from None
         try:
             return cls(
                 host=parts.hostname or "127.0.0.1",
@@ -102,6 +122,7 @@ class ServerConfig:
                 connect_timeout_s=float(q.get("connect_timeout", 5.0)),
                 send_receive_timeout_s=float(q.get("send_receive_timeout", 300.0)),
                 retries=int(q.get("retries", 3)),
+                retention=tuple(sorted(retention.items())),
             )
         except ValueError as e:
             raise ConfigError(f"bad option value in store URL {redact_url(url)!r}: {e}") from None
@@ -250,7 +271,15 @@ class ServerStore:
         # the DDL for this server's version: 18.16 (the floor) as ever, a current one with day
         # partitions, TTL, codecs (ranklens.schema); tables that exist already keep theirs
         version = parse_server_version(str(self._execute("SELECT version()", database=False)[0][0]))
-        for stmt in render_ddl_for(self.config.database, version).split(";\n"):
+        if self.config.retention and not is_current_server(version):
+            kept = ",".join(f"{t}:{d}" for t, d in self.config.retention)
+            logging.getLogger("ranklens").warning(
+                "store URL retention=%s is not applied: ClickHouse %d.%d has no TTL (21.8 or newer has); "
+                "rows are kept until deleted",
+                kept,
+                *version,
+            )
+        for stmt in render_ddl_for(self.config.database, version, dict(self.config.retention)).split(";\n"):
             stmt = "\n".join(line for line in stmt.splitlines() if not line.startswith("--")).strip()
             if stmt:
                 self._execute(stmt, database=False)
