@@ -443,6 +443,20 @@ def _per_group(m: LinkMetrics, r: LinkReport, cells: np.ndarray, limit: int = 50
     return out
 
 
+RESOLVED_AFTER_WINDOWS = 2
+
+
+def _ongoing(m: LinkMetrics, cells: np.ndarray, last_slow: int) -> bool:
+    """Whether a slowdown seen in ``cells`` up to window ``last_slow`` is still going on: it is over
+    once its own groups were measured in ``RESOLVED_AFTER_WINDOWS`` later windows (at their normal
+    speed, or they would be slow cells). A later window the slow groups have not reported yet proves
+    nothing: live, the fast groups finish a window before the slow ones do, and counting the newest
+    window of any group resolved a throttled link's finding while it was still throttled."""
+    groups = set(m.pg[cells].tolist())
+    later = {int(w) for g, w in zip(m.pg.tolist(), m.window.tolist()) if g in groups and w > last_slow}
+    return len(later) < RESOLVED_AFTER_WINDOWS
+
+
 def _link_finding(
     m: LinkMetrics, r: LinkReport, d: LinkDetection, detector: LinkDetector, walls: dict[int, float]
 ) -> Finding:
@@ -462,8 +476,7 @@ def _link_finding(
     baseline = float(np.median(base))
     slowdown = float(np.median(r.ratio[cells]))
     windows = sorted(per_window)
-    last_window = int(m.window.max()) if len(m) else 0
-    ongoing = windows[-1] >= last_window - 1
+    ongoing = _ongoing(m, cells, windows[-1])
     by_step = m.window_steps > 0
     first_step = int(m.min_step[cells].min()) if by_step else -1
     last_step = int(m.max_step[cells].max()) if by_step else -1
@@ -543,7 +556,6 @@ def _congestion_finding(
         f"network congestion: {100 * c.slow_share:.0f}% of inter-node groups ran {c.slowdown:.1f}x slower "
         f"across {c.nodes} nodes in {span}; no single node or link explains it"
     )
-    last_window = int(m.window.max()) if len(m) else 0
     return Finding(
         id=finding_id(m.job_id, m.attempt, "network_congestion", f"windows:{c.windows[0]}"),
         job_id=m.job_id,
@@ -569,7 +581,7 @@ def _congestion_finding(
             "sql": m.sql,
             "thresholds": detector.thresholds() if hasattr(detector, "thresholds") else {},
         },
-        state="open" if c.windows[-1] >= last_window - 1 else "resolved",
+        state="open" if _ongoing(m, cells, int(c.windows[-1])) else "resolved",
         detector=detector.name,
     )
 

@@ -49,3 +49,35 @@ def test_live_pass_onset(embedded_store):
     _load(embedded_store, upto_step=12)
     f = _link(embedded_store)
     assert f.first_seen_step == FIRST_SLOW_STEP, f.title
+
+
+def test_live_pass_where_the_slow_groups_lag_keeps_the_finding_open(embedded_store):
+    """Live, the groups through the slow link report a window after the fast ones do (their
+    exchange is what takes long). A pass that sees pg 0 and pg 1 up to step 16 but the slow pairs
+    pg 2 and pg 3 only up to step 12 must not call the link's finding resolved: its groups were
+    never measured fast since. (It was: the drill's live findings flapped to resolved.)"""
+    for table in ("ranks", "process_groups", "collectives"):
+        rows = [json.loads(line) for line in (DATA / f"{table}.jsonl").read_text().splitlines()]
+        if table == "collectives":
+            rows = [r for r in rows if r["step"] <= (12 if r["pg"] in ("2", "3") else 16)]
+        embedded_store.write(table, rows)
+    f = _link(embedded_store)
+    assert f.state == "open", (f.title, f.evidence["windows"])
+
+
+def test_a_link_whose_groups_ran_fast_again_is_resolved(embedded_store):
+    """The other side: the slow pairs' exchanges of steps 20 on given the transfer time they had
+    before the throttle (the link repaired): the finding ends, resolved."""
+    rows = [json.loads(line) for line in (DATA / "collectives.jsonl").read_text().splitlines()]
+    fast = {}  # (rank, pg) -> a transfer time (end - enter) of a pre-throttle exchange
+    for r in rows:
+        if r["pg"] in ("2", "3") and 3 <= r["step"] <= 6 and r["end_ns"] > 0:
+            fast.setdefault((r["rank"], r["pg"]), r["end_ns"] - r["enter_ns"])
+    for r in rows:
+        if r["pg"] in ("2", "3") and r["step"] >= 20 and r["end_ns"] > 0:
+            r["end_ns"] = r["enter_ns"] + fast[(r["rank"], r["pg"])]
+    for table in ("ranks", "process_groups"):
+        embedded_store.write(table, [json.loads(x) for x in (DATA / f"{table}.jsonl").read_text().splitlines()])
+    embedded_store.write("collectives", rows)
+    f = _link(embedded_store)
+    assert f.state == "resolved" and f.last_seen_step < 22, (f.title, f.evidence["windows"])
