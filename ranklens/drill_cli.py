@@ -132,6 +132,8 @@ def suite_summary(results: list[Any]) -> dict[str, Any]:
         "recall": (len(right) / len(applied)) if applied else None,
         "ttd_p50_s": _pct(ttd, 0.5),
         "ttd_p90_s": _pct(ttd, 0.9),
+        # |finding's onset step - fault's|, over the faults detected right where both name a step
+        "onset_error_max_steps": max((abs(e) for s in right if (e := s.onset_error_steps) is not None), default=None),
         "kinds": sorted({s.fault.kind.value for s in applied}),
     }
 

@@ -449,6 +449,7 @@ def _run(
                 f.severity.value,
                 float(f.step_time_pct),
                 tuple(sorted({x for s in f.suspects for x in (s.node, *s.link) if x and x != "network"})),
+                int(f.first_seen_step),
             )
             for f, first in sup.found.values()
         ]

@@ -98,6 +98,7 @@ class Seen:
     severity: str = ""
     cost_pct: float = float("nan")  # share of step time it costs the job (stragglers, slow links)
     nodes: tuple[str, ...] = ()  # the suspects' hosts and the ends of a suspect link ("network" left out)
+    first_step: int = -1  # the step the finding says it began at (-1: it names none)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,14 @@ class FaultScore:
     def ok(self) -> bool:
         return self.detected and self.kind_ok and self.culprit_ok
 
+    @property
+    def onset_error_steps(self) -> int | None:
+        """The finding's onset step minus the fault's (None where either has no step): reported,
+        not scored (a window-based detector names the first step of its window)."""
+        if self.finding is None or self.onset is None or self.finding.first_step < 0 or self.onset.step < 0:
+            return None
+        return self.finding.first_step - self.onset.step
+
     def to_json(self) -> dict[str, Any]:
         return {
             "fault": self.fault.spec,
@@ -147,6 +156,7 @@ class FaultScore:
             "onset_step": self.onset.step if self.onset else None,
             "detected": self.detected,
             "time_to_detect_s": None if self.ttd_s is None else round(self.ttd_s, 3),
+            "onset_error_steps": self.onset_error_steps,
             "kind_ok": self.kind_ok,
             "culprit_ok": self.culprit_ok,
             "ok": self.ok,

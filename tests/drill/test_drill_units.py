@@ -104,6 +104,11 @@ def test_scoring_detection_culprit_kind_and_false_alarms():
     assert scores[1].detected and scores[1].culprit_ok and not scores[1].kind_ok
     assert scores[1].note == "detected as log_error (nccl_error), not log_error (cuda_oom)"
     assert [s.id for s in false] == ["a", "d"]
+    # the onset error is reported where the finding names a step (the log line names none)
+    assert scores[0].onset_error_steps is None and scores[0].to_json()["onset_error_steps"] is None
+    seen[1] = Seen("b", "straggler", (2,), "rank 2 since step 9", int(104e9), int(101e9), first_step=9)
+    scores, _ = score(faults, onsets, seen)
+    assert scores[0].onset_error_steps == 1 and scores[0].to_json()["onset_error_steps"] == 1
 
 
 def test_after_a_fatal_fault_the_peers_errors_are_collateral():
