@@ -31,7 +31,7 @@ from each rank's clock: across hosts they need the clock alignment of the stragg
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -628,4 +628,38 @@ def find_slow_links(
         return []
     if isinstance(detector, GroupTestingDetector) and not _could_be_slow(metrics, detector.slow_ratio):
         return []  # no cell is slow enough against any baseline: the detector would find nothing
-    return discount_links(store, to_findings(metrics, detector.detect(metrics), detector), contention)
+    findings = to_findings(metrics, detector.detect(metrics), detector)
+    findings = [_refine_onset(store, metrics, f, min_bytes) for f in findings]
+    return discount_links(store, findings, contention)
+
+
+def _refine_onset(store: Store, m: LinkMetrics, f: Finding, min_bytes: int) -> Finding:
+    """A slow link's onset to the step, not the window: a window that straddles the onset has the
+    fast median of its first steps (the drill's throttle at step 8 was named "since step 10" with
+    2-step windows). The slow groups' transfers of the window before the first slow one are read
+    per step; the steps at its end whose median bandwidth is nearer the slow rate than the baseline
+    (below their geometric mean) join the finding."""
+    if f.kind != "slow_link" or m.window_steps <= 1 or f.first_seen_step <= 0:
+        return f
+    ev = f.evidence
+    pgs = [g["pg"] for g in ev.get("slow_groups", [])]
+    slow, base = float(ev.get("bandwidth_MBps") or 0.0), float(ev.get("baseline_MBps") or 0.0)
+    if not pgs or not (0 < slow < base):
+        return f
+    cut = math.sqrt(slow * base) * 1e6
+    lo = max(0, f.first_seen_step - m.window_steps)
+    inner = transfer_sql(m.job_id, m.attempt, min_bytes=min_bytes, step_from=lo, step_to=f.first_seen_step - 1)
+    in_pgs = ", ".join(f"'{_esc(p)}'" for p in pgs)
+    rows = store.query(
+        f"SELECT c_step, quantileExact(0.5)(bw_Bps) AS bw, min(first_enter_ns) AS t FROM ({inner}) "
+        f"WHERE pg IN ({in_pgs}) GROUP BY c_step ORDER BY c_step"
+    ).rows()
+    per_step = {int(st): (float(bw), int(t)) for st, bw, t in rows}
+    first, first_ns = f.first_seen_step, f.first_seen_ns
+    while first - 1 in per_step and per_step[first - 1][0] < cut:
+        first -= 1
+        first_ns = per_step[first][1]
+    if first == f.first_seen_step:
+        return f
+    title = f.title.replace(f"since step {f.first_seen_step}", f"since step {first}", 1)
+    return replace(f, first_seen_step=first, first_seen_ns=min(first_ns, f.first_seen_ns), title=title)
