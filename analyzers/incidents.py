@@ -90,13 +90,21 @@ def find_incidents(store: Store, job_id: str, attempt: int = 0) -> list[Finding]
         )
         if len(out) >= MAX_PER_TABLE:
             break
-    logs = store.query(
-        "SELECT klass, rank, host, min(ts_ns) AS first_ns, max(ts_ns) AS last_ns, sum(repeat_count) AS n, "
-        "max(severity = 'critical') AS critical, argMin(message, ts_ns) AS message, argMin(source, ts_ns) AS src "
-        f"FROM log_events WHERE job_id = '{j}' AND attempt = {int(attempt)} AND severity IN ('error', 'critical') "
-        f"AND klass != '{NONFINITE}'{_before_clean_end(store, j, attempt)} "
-        "GROUP BY klass, rank, host ORDER BY first_ns LIMIT 1000"
-    ).to_pylist()
+
+    def error_lines(until: str = "") -> list[dict[str, Any]]:
+        return store.query(
+            "SELECT klass, rank, host, min(ts_ns) AS first_ns, max(ts_ns) AS last_ns, sum(repeat_count) AS n, "
+            "max(severity = 'critical') AS critical, argMin(message, ts_ns) AS message, argMin(source, ts_ns) AS src "
+            f"FROM log_events WHERE job_id = '{j}' AND attempt = {int(attempt)} AND severity IN ('error', 'critical') "
+            f"AND klass != '{NONFINITE}'{until} "
+            "GROUP BY klass, rank, host ORDER BY first_ns LIMIT 1000"
+        ).to_pylist()
+
+    # the heartbeats are read only when there are error lines to judge (a live pass at 10k ranks
+    # mostly has none, and the attempt's heartbeats are its largest scan here)
+    logs = error_lines()
+    if logs and (until := _before_clean_end(store, j, attempt)):
+        logs = error_lines(until)
     out += _torchrun_crashes(store, job_id, attempt)
     out += _nonfinite(store, job_id, attempt)
     out += _ledger_mismatches(store, job_id, attempt)

@@ -193,3 +193,11 @@ def test_a_launchers_lines_after_every_rank_ended_cleanly_are_not_findings(store
     assert sorted(f.evidence["class"] for f in find_incidents(store, j)) == ["cuda_oom", "rank_failure"]
     store.write("heartbeats", [beats[0]])  # now every rank ended cleanly, before the barrier line
     assert [f.evidence["class"] for f in find_incidents(store, j)] == ["cuda_oom"]
+
+
+def test_the_heartbeats_are_read_only_when_there_are_error_lines_to_judge(embedded_store):
+    from ranklens.store.testing import RecordingStore
+
+    rec = RecordingStore(embedded_store)
+    assert find_incidents(rec, "nothing-here", 0) == []
+    assert not [c for c in rec.calls if c.op == "query" and "exited = 1" in str(c.args[0])]
