@@ -12,7 +12,6 @@ which names the node whose every link is slow.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -533,14 +532,10 @@ def report_text(report: PreflightReport, *, verbose: bool = False) -> str:
 def write_blacklist(report: PreflightReport, path: str) -> None:
     """The failed nodes: JSON (``{"nodes": [...], "reasons": {...}}``) when ``path`` ends in .json,
     else one node name per line (``srun --exclude=$(paste -sd, FILE)``). Written even when empty."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        if path.endswith(".json"):
-            json.dump(report.blacklist_json(), f, indent=2)
-            f.write("\n")
-        else:
-            f.write("".join(f"{n}\n" for n in report.blacklist))
-    os.replace(tmp, path)
+    from ranklens.formats.blacklist import write_blacklist as write_file
+
+    data = report.blacklist_json()
+    write_file(path, data.pop("nodes"), data.pop("reasons"), data)
 
 
 STATUS_CODE = {Status.PASS: 0, Status.WARN: 1, Status.FAIL: 2, Status.ERROR: 3, Status.SKIP: -1}

@@ -25,7 +25,6 @@ policy's default) only say what would be done.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -36,6 +35,7 @@ from typing import Any, ClassVar
 from ranklens.analyzers.recovery.api import Decision, Level
 from ranklens.analyzers.recovery.executors.api import ExecContext, ExecResult, ExecutorSpec, Option
 from ranklens.config import slurm_job_of
+from ranklens.formats.blacklist import read_blacklist, write_blacklist
 
 __all__ = ["REASON_FIELDS", "SlurmExecutor", "add_to_blacklist"]
 
@@ -60,34 +60,13 @@ def add_to_blacklist(path: str, nodes: Sequence[str], reasons: Mapping[str, str]
     list. One node name a line (``sbatch --exclude=$(paste -sd, FILE)``), or for a ``.json`` path
     ``{"nodes": [...], "reasons": {...}}`` as ``ranklens preflight --blacklist`` writes it. The file
     is replaced atomically, so a prolog reading it never sees half of it."""
-    is_json = path.endswith(".json")
-    have: list[str] = []
-    why: dict[str, str] = {}
-    try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        text = ""
-    if text.strip():
-        if is_json:
-            data = json.loads(text)
-            have = [str(n) for n in data.get("nodes", [])]
-            why = {str(k): str(v) for k, v in (data.get("reasons") or {}).items()}
-        else:
-            have = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    have, why, extra = read_blacklist(path)
     for n in nodes:
         if n not in have:
             have.append(n)
         if n in reasons:
             why[n] = reasons[n]
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        if is_json:
-            json.dump({"nodes": have, "reasons": why}, f, indent=2)
-            f.write("\n")
-        else:
-            f.write("".join(f"{n}\n" for n in have))
-    os.replace(tmp, path)
+    write_blacklist(path, have, why, extra)
     return have
 
 
