@@ -133,7 +133,7 @@ MIN_RESOLVED_HOT = 8  # ...and is a straggler only when it lasted at least this 
 # persistent: host noise (a scheduler hiccup, a GC pause) lasts a fraction of a second however many
 # steps it spans, and step-free jobs count iterations of a few tens of ms (5 of them: 0.15 s).
 MIN_SHORT_RUN_S = 0.5
-ONSET_LOOKBACK = 3  # steps before a run's first hot step that may still be its own (at its level)
+ONSET_LOOKBACK = 10  # steps before a run's first hot step that may still be its own (at its level)
 
 
 def _persistent_run(
@@ -171,11 +171,12 @@ def _persistent_run(
     if n_hot < min_hot or n_hot < persistence * (b - a + 1):
         return None
     if level is not None:
-        a = _onset_before(lv[: b + 1], a, float(np.median(lv[a : b + 1][hot[a : b + 1]])))
         n = len(hot)
         rest = lv[b + 1 :]
-        if len(rest) and float(rest.mean()) >= LEVEL_TRIM * float(np.median(lv[a : b + 1][hot[a : b + 1]])):
+        run_level = float(np.median(lv[a : b + 1][hot[a : b + 1]]))
+        if len(rest) and float(rest.mean()) >= LEVEL_TRIM * run_level:
             b = n - 1  # still at its level to the end, a few steps lost in noise: it has not stopped
+        a = _onset_before(lv[: b + 1], a, run_level)
         if b < n - RESOLVED_AFTER_STEPS and n_hot < MIN_RESOLVED_HOT:
             # it started and stopped within a few steps: a transient (a rank starved of CPU by a busy
             # host for half a second, a GC pause), not a straggler; a live pass saw it while it lasted
@@ -217,16 +218,17 @@ def _migrating(runs: list[_Run], keep: list[_Run]) -> set[int]:
 
 
 def _onset_before(lv: np.ndarray, a: int, level: float) -> int:
-    """The onset ``a`` (a run's first hot step) moved back over the steps just before it that are
-    at the run's level (every one at least ``LEVEL_TRIM`` of it) but were not hot: on a busy host
-    the bar a step must clear to be hot is the host's noise, and a slowdown's first steps can miss
-    it by chance (a 50 ms straggler's onset was named three steps late on a loaded CI host). Where
-    the level changed is the two-level fit's call, at most ``ONSET_LOOKBACK`` steps back."""
+    """The onset ``a`` (a run's first hot step) moved back over the steps before it that are at the
+    run's level (their median at least ``LEVEL_TRIM`` of it) but were not hot: on a busy host the
+    bar a step must clear to be hot is the host's noise, and a slowdown's first steps can miss it
+    by chance (a 50 ms straggler under two CPU hogs, ~30 ms of noise, was named 3-7 steps late).
+    Where the level changed is the two-level fit's call (medians: one noisy step moves nothing),
+    at most ``ONSET_LOOKBACK`` steps back."""
     lo = max(0, a - ONSET_LOOKBACK)
     if lo >= a or not level > 0:
         return a
     c = _change_point(lv, lo, a)
-    if c < a and bool(np.all(lv[c:a] >= LEVEL_TRIM * level)):
+    if c < a and float(np.median(lv[c:a])) >= LEVEL_TRIM * level:
         return c
     return a
 

@@ -120,7 +120,8 @@ def test_a_node_finding_drains_the_node_and_requeues_the_job_once(slurm, running
     assert state in ("draining", "drained"), state
     assert reason == f"ranklens gpu_error {f.id}"
     _wait(lambda: _job("Restarts", running_job) == "1", "the requeue")
-    assert _job("JobState", running_job) == "PENDING"  # its only node is drained: it waits for another
+    # its only node is drained: it waits for another (COMPLETING first while slurmd ends the old run)
+    _wait(lambda: _job("JobState", running_job) == "PENDING", "the requeued job to be pending", timeout_s=60)
     assert blacklist.read_text() == f"{NODE}\n"
     rows = _rows(embedded_store, f.id)
     assert [(r["target"], r["outcome"]) for r in rows] == [
