@@ -452,9 +452,8 @@ def _ongoing(m: LinkMetrics, cells: np.ndarray, last_slow: int) -> bool:
     speed, or they would be slow cells). A later window the slow groups have not reported yet proves
     nothing: live, the fast groups finish a window before the slow ones do, and counting the newest
     window of any group resolved a throttled link's finding while it was still throttled."""
-    groups = set(m.pg[cells].tolist())
-    later = {int(w) for g, w in zip(m.pg.tolist(), m.window.tolist()) if g in groups and w > last_slow}
-    return len(later) < RESOLVED_AFTER_WINDOWS
+    later = np.isin(m.pg, np.unique(m.pg[cells])) & (m.window > last_slow)
+    return len(np.unique(m.window[later])) < RESOLVED_AFTER_WINDOWS
 
 
 def _link_finding(
