@@ -202,7 +202,10 @@ class SupportsDiscardIngest(Protocol):
 
     def discard_ingest(self, table: str, ingest_ids: Iterable[int]) -> int:
         """Remove every row of ``table`` whose ``ingest_id`` is in ``ingest_ids``; return how many
-        rows went. Returns once the rows are gone for every later query."""
+        rows went. On return the batches can be sent again: rows written after this call are never
+        removed by it. The removed rows are gone for later queries on return, except on a
+        ClickHouse cluster whose deletion waits for a replica that is down (the server store
+        then warns, and the rows go when that replica is back)."""
         ...
 
 

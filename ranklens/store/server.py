@@ -33,6 +33,8 @@ from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, arrow_batch, che
 
 __all__ = ["ServerConfig", "ServerStore", "hint_url", "redact_url"]
 
+log = logging.getLogger("ranklens.store")
+
 
 def hint_url(printable_url: str) -> str:
     """A store's printable URL (password shown as ``***``) as a hint can carry it: without the
@@ -347,13 +349,21 @@ class ServerStore:
             )
         return counts
 
-    def discard_ingest(self, table_name: str, ingest_ids: Iterable[int], *, timeout_s: float = 300.0) -> int:
+    def discard_ingest(self, table_name: str, ingest_ids: Iterable[int], *, timeout_s: float = 60.0) -> int:
         """Delete the rows of the given ``ingest_id`` batches (a collector re-sending a batch the
-        server applied in part) and wait until the deletion (a mutation) has finished here; return
-        how many rows there were to delete (none: no mutation is run).
+        server applied in part); return how many rows there were to delete (none: no mutation is run).
+
+        The deletion is a mutation (``ALTER TABLE … DELETE``). Once the server has accepted it, the
+        batch can be sent again at once: a ClickHouse mutation applies to the parts that existed
+        when it was submitted, never to rows inserted after. This waits up to ``timeout_s`` for the
+        rows to be gone from the node that ran it (so that readers see no duplicate) and then
+        returns anyway, with a warning: a mutation on a replicated table waits for every part of
+        the shard, and a part that only a dead replica holds keeps it pending until that replica is
+        back; the collector must not stall meanwhile.
 
         On a cluster (the table is ``Distributed``), the rows are deleted from the local table on
-        one replica of every shard (the cluster's replication carries it to the other replicas)."""
+        one replica of every shard, the first of the shard's replicas that accepts the mutation
+        (replication carries it to the others, also to a replica that is down now, when it is back)."""
         name = table(table_name).name
         ids = ", ".join(str(int(i)) for i in sorted(set(ingest_ids)))
         if not ids:
@@ -366,47 +376,73 @@ class ServerStore:
             f"SELECT engine, engine_full FROM system.tables WHERE database = '{db}' AND name = '{name}'"
         )
         if not (rows and rows[0][0] == "Distributed"):
-            self._mutate(self._execute, db, name, ids, timeout_s)
+            self._execute(f"ALTER TABLE {db}.{name} DELETE WHERE ingest_id IN ({ids})")
+            self._await_deleted(self._execute, self.url, db, name, ids, timeout_s)
             return count
         cluster, target_db, target = distributed_target(rows[0][1], db)
-        shards = self._execute(
-            "SELECT host_address, port FROM system.clusters "
-            f"WHERE cluster = '{cluster}' AND replica_num = 1 ORDER BY shard_num"
+        replicas = self._execute(
+            "SELECT shard_num, replica_num, host_address, port FROM system.clusters "
+            f"WHERE cluster = '{cluster}' ORDER BY shard_num, replica_num"
         )
-        if not shards:
+        if not replicas:
             raise StoreError(f"{db}.{name} is Distributed over cluster {cluster!r}, which this server does not know")
-        for host, port in shards:  # one replica per shard: replication carries the mutation to the others
-            client = self._new_client(str(host), int(port))
+        shards: dict[int, list[tuple[str, int]]] = {}
+        for shard, _replica, host, port in replicas:
+            shards.setdefault(int(shard), []).append((str(host), int(port)))
+        for shard, members in shards.items():
+            self._discard_on_shard(shard, members, cluster, target_db, target, ids, timeout_s)
+        return count
+
+    def _discard_on_shard(
+        self, shard: int, members: list[tuple[str, int]], cluster: str, db: str, name: str, ids: str, timeout_s: float
+    ) -> None:
+        """Run the deletion on the first replica of ``shard`` that accepts it, then wait for it there."""
+        failed = []
+        for host, port in members:
+            client = self._new_client(host, port)
             try:
-                self._connect(client)  # a shard that accepts and never answers: connect_timeout, not 300 s
+                try:
+                    self._connect(client)  # a replica that accepts and never answers: connect_timeout, not 300 s
+                    client.execute(f"ALTER TABLE {db}.{name} DELETE WHERE ingest_id IN ({ids})")
+                except Exception as e:  # down, or read-only (lost ZooKeeper): the next replica may take it
+                    failed.append(f"{host}:{port}: {_server_message(e)}")
+                    continue
 
                 def run(sql: str, _c: Any = client) -> Any:
                     return _c.execute(sql)
 
-                self._mutate(run, target_db, target, ids, timeout_s)
-            except StoreError:
-                raise
-            except Exception as e:
-                raise StoreUnavailable(f"shard {host}:{port} of cluster {cluster!r}: {e}") from e
+                try:
+                    self._await_deleted(run, f"{host}:{port}", db, name, ids, timeout_s)
+                except Exception as e:  # the mutation is submitted: the batch can be sent again regardless
+                    log.warning(
+                        "ranklens store: could not follow the deletion of a partly stored batch on %s:%s: %s",
+                        host,
+                        port,
+                        e,
+                    )
+                return
             finally:
                 client.disconnect()
-        return count
+        why = "; ".join(failed)
+        raise StoreUnavailable(f"shard {shard} of cluster {cluster!r}: no replica could run the deletion: {why}")
 
-    def _mutate(self, run: Any, db: str, name: str, ids: str, timeout_s: float) -> None:
-        """``ALTER TABLE … DELETE`` and wait for the mutation, through ``run(sql)``."""
-        run(f"ALTER TABLE {db}.{name} DELETE WHERE ingest_id IN ({ids})")
+    @staticmethod
+    def _await_deleted(run: Any, where: str, db: str, name: str, ids: str, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) until ``run(sql)``'s node holds no row of ``ids`` in ``db.name``."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            left = run(
-                f"SELECT count() FROM system.mutations WHERE database = '{db}' AND table = '{name}' AND is_done = 0"
-            )[0][0]
-            if not left:
-                return
+        while int(run(f"SELECT count() FROM {db}.{name} WHERE ingest_id IN ({ids})")[0][0]):
             if time.monotonic() > deadline:
-                raise StoreError(
-                    f"ClickHouse {self.url}: deleting a partly stored batch from {db}.{name} did not finish "
-                    f"within {timeout_s:.0f} s (see system.mutations); the collector will try again"
+                log.warning(
+                    "ranklens store: %s: the deletion of a partly stored batch from %s.%s is still pending after "
+                    "%.0f s (see system.mutations; a replica that is down holds back a replicated mutation); "
+                    "sending the batch again, which the deletion does not touch. Until it is done, queries may "
+                    "count part of that batch twice.",
+                    where,
+                    db,
+                    name,
+                    timeout_s,
                 )
+                return
             time.sleep(0.1)
 
     def _new_client(self, host: str, port: int, database: str = "default") -> Any:

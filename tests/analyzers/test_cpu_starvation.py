@@ -207,7 +207,12 @@ def test_a_rank_slowed_in_forward_is_still_named_under_cpu_hogs(tmp_path):
     titles = [f["title"] for f in stragglers]
     assert _named(report) == {1}, (titles, report.get("host_cpu_contention"))
     (f,) = stragglers
-    assert abs(int(f["first_seen_step"]) - 6) <= 1, titles
+    # the onset under two hogs is known only as well as the noise allows: ~40 ms of excess against
+    # 10-20 ms of host noise (sd) per step. `python bench/onset_noise.py` (the detector's rule on
+    # synthetic series, a 35 ms shift at step 6 of 24): at sd 15 ms within 1 step 87-92% of the
+    # time, within 3 95-98%; at sd 20 within 1 68-83%. Three measured runs (sd ~12 ms) were exact; a
+    # loaded CI run said step 3 (stop 32).
+    assert abs(int(f["first_seen_step"]) - 6) <= 3, titles
     assert f["evidence"].get("phase") == "forward", (titles, f["evidence"].get("phase_excess_s"))
     cpu = f["evidence"]["cpu"]  # what the counters said: no run delay worth its 50 ms
     assert cpu["run_delay_above_peers_per_step_s"] < 0.025, cpu
