@@ -33,8 +33,8 @@ __all__ = [
     "table",
 ]
 
-SCHEMA_VERSION = 9  # 7: the cpu table (host CPU contention, issue 21); 8: the preflight table (issue 16);
-# 9: the drills table (issue 14)
+SCHEMA_VERSION = 10  # 7: the cpu table (host CPU contention, issue 21); 8: the preflight table (issue 16);
+# 9: the drills table (issue 14); 10: trace_events' pg and seq (a trace's collectives joined to the ledger, issue 17)
 
 _SCALARS = {"Int32", "Int64", "UInt8", "UInt32", "UInt64", "Float64", "String"}
 
@@ -371,6 +371,13 @@ _table(
         _c("collective", "String", "NCCL collective of a communication kernel ('' none)"),
         _c("in_nelems", "Int64", "NCCL input elements, -1 unknown", default=-1),
         _c("group_size", "Int32", "NCCL group size, -1 unknown", default=-1),
+        _c("pg", "String", "process group of a collective (its name, as in the ledger's `pg`; '' none)"),
+        _c(
+            "seq",
+            "Int64",
+            "the collective's sequence number in its group (the ledger's `seq`; torch 2.5+ traces), -1 unknown",
+            default=-1,
+        ),
         _c("source", "String", "file the event came from"),
     ],
     ("job_id", "attempt", "rank", "ts_ns"),

@@ -33,6 +33,7 @@ def analyze_traces(
     from ranklens.analyzers import save_findings
     from ranklens.analyzers import traces as T
     from ranklens.analyzers.trace_findings import trace_findings
+    from ranklens.analyzers.trace_ledger import collective_kernels
 
     if job_id is None:
         latest = T.latest_trace_job(store)
@@ -60,6 +61,7 @@ def analyze_traces(
     launches = T.launch_stats(store, job_id, attempt, sel)
     queues = T.queue_length_summary(store, job_id, attempt, sel)
     ledger = T.ledger_window(store, job_id, attempt, sel)
+    joined = collective_kernels(store, job_id, attempt, sel)
     findings = trace_findings(store, job_id, attempt, sel, breakdown=breakdown)
     if save:
         save_findings(store, findings)
@@ -76,6 +78,7 @@ def analyze_traces(
             "cuda_kernel_launch_stats": [x.to_json() for x in launches],
             "queue_length_summary": [x.to_json() for x in queues],
             "ledger": ledger.to_json() if ledger is not None else None,
+            "collective_kernels": joined.to_json() if joined is not None else None,
             "findings": [f.to_json() for f in findings],
         }
         click.echo(json.dumps(out, default=str))
@@ -151,6 +154,8 @@ def analyze_traces(
         say(f"\nThe job's ledger over the same window (steps {ledger.first_step}-{ledger.last_step}):")
         for r, (n, step_ms, coll_ms) in sorted(ledger.per_rank.items()):
             say(f"  rank {r}: {n} steps, {step_ms:.1f} ms per step, {coll_ms:.1f} ms of it inside collectives")
+    if joined is not None:
+        _say_joined(say, joined)
     if findings:
         say(f"\nFindings ({len(findings)}):")
         for f in findings:
@@ -160,4 +165,26 @@ def analyze_traces(
         say(
             "\nNo findings: no rank idles or runs its kernels far slower than its peers, "
             "and communication is overlapped."
+        )
+
+
+def _say_joined(say: Any, joined: Any) -> None:
+    """The communication kernels joined to the ledger (analyzers/trace_ledger.py), as text."""
+    shift = f", the trace's seq = the ledger's {joined.seq_shift:+d}" if joined.seq_shift else ""
+    say(
+        f"\nCommunication kernels joined to the ledger by (rank, pg, seq): {joined.consistent} of "
+        f"{joined.with_seq} paired{shift} (wait: kernel time beyond the collective's shortest kernel; "
+        "launch: kernel start after the rank arrived):"
+    )
+    for r in joined.per_rank:
+        pct = 100.0 * r.wait_ms / r.kernel_ms if r.kernel_ms > 0 else 0.0
+        say(
+            f"  rank {r.rank}: {r.matched} of {r.kernels} kernels, {r.kernel_ms:.1f} ms, of it waiting "
+            f"{r.wait_ms:.1f} ms ({pct:.0f}%), launch {r.launch_ms_mean:.2f} ms after arrival"
+        )
+    if joined.top:
+        c = joined.top[0]
+        say(
+            f"  the collective whose kernels waited longest for rank {c.last_rank}: {c.op} #{c.seq} of pg {c.pg}, "
+            f"{c.wait_ms:.1f} ms of waiting over {c.kernels} kernels, transfer {c.transfer_ms:.2f} ms"
         )

@@ -7,7 +7,9 @@ item and rows are built in bounded batches; a corrupt or truncated trace raises 
 Times: Kineto's ``ts``/``dur`` are microseconds; when the trace has ``baseTimeNanoseconds``, ``ts`` is
 relative to it. Kernels carry ``args.device``/``args.stream``/``args.correlation``; NCCL kernels
 (``ncclKernel_<Coll>_...`` or ``ncclDevKernel_...``) also ``Collective name``, ``In msg nelems``,
-``Group size`` in newer traces. Only complete events (``ph`` = ``X``) are kept.
+``Group size`` in newer traces, and since torch 2.5 ``Process Group Name`` and ``Seq`` (the collective's
+number in its group: with the name, the ledger's ``(pg, seq)``), as do the ``record_param_comms`` CPU
+ops. Only complete events (``ph`` = ``X``) are kept.
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ _FIELDS = (
     "collective",
     "in_nelems",
     "group_size",
+    "pg",
+    "seq",
 )
 
 
@@ -159,6 +163,8 @@ def _row(ev: dict[str, Any], base_ns: int) -> tuple[Any, ...] | None:
         collective,
         _fast_int(args.get("In msg nelems", -1)),
         _fast_int(args.get("Group size", -1)),
+        str(args.get("Process Group Name", "") or "") if collective else "",
+        _fast_int(args.get("Seq", -1)) if collective else -1,
     )
 
 
