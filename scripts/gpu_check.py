@@ -12,7 +12,10 @@ Checks for real what the CPU test suite can only check behind interfaces:
 4. ``ranklens preflight``'s GPU checks (``gpu.*``) with the real pynvml: every result is printed;
    gpu.count, gpu.driver, gpu.ecc_uncorrected, gpu.temperature and gpu.pcie_link must have run for
    real (not skip/error) and gpu.compute_burn must give TFLOPS > 0 on every GPU. It runs first and on
-   its own: its failure is reported and the other checks still run (and the other way round).
+   its own: its failure is reported and the other checks still run (and the other way round);
+5. a torch.profiler window of traced NCCL all_reduces: its kernels carry ``Process Group Name`` and
+   ``Seq`` (torch 2.5+) and every one of them pairs with its ledger row (analyzers/trace_ledger.py);
+   the seq shift found (trace seq minus ledger seq; 0 expected) is printed.
 Prints one line per number; exits non-zero when a check fails.
 """
 
@@ -134,12 +137,40 @@ def tracer_check(args: argparse.Namespace) -> bool | None:
         f"cuda timer used: {ok}; pending {timer.pending() if timer else '-'}; "
         f"clock mapping error {tracer.clock_error_ns} ns"
     )
+    prof_dir = os.path.join(args.out, "prof")
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+        for _ in range(20):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+    os.makedirs(prof_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(prof_dir, "rank0.pt.trace.json"))
     rlt.shutdown()
+    from ranklens.analyzers.trace_ledger import collective_kernels
     from ranklens.collector import Shipper
+    from ranklens.collector.kineto import ingest_kineto
     from ranklens.store import open_store
 
     store = open_store(f"embedded://{args.out}/store")
     Shipper(args.out, store).ship_once()
+    ingest_kineto(store, [prof_dir], job_id="gpu-check", rank=0)
+    print(
+        "profiler kernels with pg/seq:",
+        store.query(
+            "SELECT collective, pg, min(seq), max(seq), count() FROM trace_events WHERE cat = 'kernel' "
+            "AND collective != '' GROUP BY collective, pg"
+        ).rows(),
+    )
+    joined = collective_kernels(store, "gpu-check")
+    if joined is None:
+        print("trace join: no kernel carries Process Group Name + Seq (torch < 2.5?), or no ledger")
+        ok = False
+    else:
+        print(
+            f"trace join: {joined.consistent} of {joined.with_seq} kernels paired, seq shift {joined.seq_shift}, "
+            f"per rank {[r.to_json() for r in joined.per_rank]}"
+        )
+        ok = ok and joined.consistent == joined.with_seq >= 20
     rows = store.query("SELECT clock, count(), quantileExact(0.5)(end_ns - enter_ns) FROM collectives GROUP BY clock")
     print("ledger by clock (clock, calls, median device time ns):", rows.rows())
     cuda_rows = dict((c, n) for c, n, _ in rows.rows()).get("cuda", 0)
