@@ -145,24 +145,38 @@ def _run_child(command: Sequence[str], env: dict[str, str]) -> int:
     limit; Kubernetes deleting the pod) is passed on to the command instead of ending ranklens at
     once, so the caller's last shipping pass and the recovery supervisor's current pass (an executor
     that just requeued this very job, its ``actions`` row) still run before the process ends."""
-    try:
-        proc = subprocess.Popen(list(command), env=env)
-    except OSError as e:
-        raise ConfigError(f"cannot start {command[0]!r}: {e.strerror}") from None
+    # the handler goes in before the command starts: installed after, a SIGTERM that came while this
+    # thread waited for the GIL (the shipper's first pass loading pyarrow) killed ranklens at once and
+    # left the command running, never told (a CI run hung on it). One that comes before the command
+    # exists is passed on as soon as it does.
     forwarding = threading.current_thread() is threading.main_thread()
+    started: list[subprocess.Popen[bytes]] = []
+    early: list[int] = []
     previous: Any = None
     if forwarding:
 
         def _forward(signum: int, _frame: object) -> None:
+            if not started:
+                early.append(signum)
+                return
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signum)
+                started[0].send_signal(signum)
 
         previous = signal.signal(signal.SIGTERM, _forward)
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        return proc.wait()
+        try:
+            proc = subprocess.Popen(list(command), env=env)
+        except OSError as e:
+            raise ConfigError(f"cannot start {command[0]!r}: {e.strerror}") from None
+        started.append(proc)
+        for signum in early:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            return proc.wait()
     finally:
         if forwarding:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

@@ -85,6 +85,31 @@ def test_bootstrap_chains_a_shadowed_sitecustomize(tmp_path):
     assert out == ["1", "True"]
 
 
+def test_a_sigterm_before_the_command_has_started_still_reaches_it(tmp_path):
+    """The race a CI run hung on: SIGTERM came after the command started but before `ranklens run`
+    had put its handler in (its thread was waiting for the GIL), so ranklens died at once and the
+    command ran on, never told. Here the signal comes just before the command is started, every time;
+    it must be passed on to the command once it exists, and ranklens must live to report its code."""
+    script = tmp_path / "early.py"
+    script.write_text(
+        "import os, signal, subprocess, sys, time\n"
+        "import ranklens.launch as L\n"
+        "real = subprocess.Popen\n"
+        "def popen(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(*a, **k)\n"
+        "subprocess.Popen = popen\n"
+        "t = time.monotonic()\n"
+        "rc = L._run_child([sys.executable, '-c', 'import time; time.sleep(60)'], dict(os.environ))\n"
+        "print('rc', rc, round(time.monotonic() - t, 1), flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr)  # ranklens was not killed by the signal
+    rc, took = out.stdout.split()[1:]
+    assert int(rc) == -15, out.stdout  # the command got the SIGTERM
+    assert float(took) < 30, out.stdout  # at once, not at the end of its 60 s
+
+
 def test_a_sigterm_to_ranklens_run_reaches_the_command_and_the_last_pass_still_runs(tmp_path):
     """Slurm's scancel / requeue / time limit and a deleted pod send SIGTERM: `ranklens run` passes it
     on to its command and ends only after its last shipping pass (before, it died at once)."""
