@@ -412,6 +412,9 @@ def discount_cpu_contention(
                     "cpu_above_peers_per_step_s": round(
                         float(cw.cpu_rate[i] - np.median(cw.cpu_rate[others])) * step_s, 6
                     ),
+                    "process_run_delay_above_peers_per_step_s": round(
+                        float(cw.proc_delay_rate[i] - np.median(cw.proc_delay_rate[others])) * step_s, 6
+                    ),
                 }
             out.append(f)
             continue
