@@ -985,14 +985,16 @@ def run(
         command, store, spool_dir=spool_dir, job_id=job_id, log=lambda s: click.echo(s, err=True), supervise=supervise
     )
     if recover_policy is not None and store is not None:
-        from ranklens.recover import job_recovery_summary, recovery_times
+        from ranklens.recover import earlier_runs, job_recovery_summary, recovery_times
 
         try:
-            times = recovery_times(store, result.job_id)
-            for t in times:
-                click.echo(f"ranklens run: recovery: {t.line()}", err=True)
-            if times:
-                click.echo(f"ranklens run: recovery: {job_recovery_summary(result.job_id, times)}", err=True)
+            # a requeued Slurm job's earlier runs first: their remediations (the requeue) end in this run
+            for run_id in [*earlier_runs(result.job_id), result.job_id]:
+                times = recovery_times(store, run_id)
+                for t in times:
+                    click.echo(f"ranklens run: recovery: {t.line()}", err=True)
+                if times:
+                    click.echo(f"ranklens run: recovery: {job_recovery_summary(run_id, times)}", err=True)
         except Exception as e:  # the job's own exit code is what `run` exits with, whatever the store does
             click.echo(f"ranklens run: warning: cannot measure the recovery times ({type(e).__name__}: {e})", err=True)
     if result.collector and result.store_error:

@@ -12,6 +12,7 @@ row (outcome ``resumed``).
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +28,14 @@ from ranklens.config import node_name
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
-__all__ = ["RecoverySupervisor", "RecoveryTimes", "current_attempt", "job_recovery_summary", "recovery_times"]
+__all__ = [
+    "RecoverySupervisor",
+    "RecoveryTimes",
+    "current_attempt",
+    "earlier_runs",
+    "job_recovery_summary",
+    "recovery_times",
+]
 
 RETIRE_S = 120.0  # an earlier attempt is analysed this long at most after the next one started
 
@@ -154,6 +162,7 @@ class RecoveryTimes:
     resumed_ns: int | None  # None: training did not resume
     resumed_attempt: int | None
     ranks: int
+    resumed_job: str = ""  # the run that resumed when it is another job id (a requeued Slurm job's -r<n>)
 
     @property
     def mttd_s(self) -> float:
@@ -174,8 +183,9 @@ class RecoveryTimes:
         )
         if self.mttr_s is None:
             return base + "; training did not resume"
+        where = f"job {self.resumed_job}" if self.resumed_job else f"attempt {self.resumed_attempt}"
         return (
-            base + f", training resumed (attempt {self.resumed_attempt}'s first step done) at +{self.mttr_s:.1f} s "
+            base + f", training resumed ({where}'s first step done) at +{self.mttr_s:.1f} s "
             f"(MTTR); {self.ranks} ranks x {self.mttr_s:.1f} s = {self.lost_gpu_s:.0f} GPU-s lost"
         )
 
@@ -189,6 +199,7 @@ class RecoveryTimes:
             "action_ns": self.action_ns,
             "resumed_ns": self.resumed_ns,
             "resumed_attempt": self.resumed_attempt,
+            "resumed_job": self.resumed_job or None,
             "mttd_s": round(self.mttd_s, 3),
             "mttr_s": None if self.mttr_s is None else round(self.mttr_s, 3),
             "lost_gpu_s": None if self.lost_gpu_s is None else round(self.lost_gpu_s, 1),
@@ -210,9 +221,42 @@ def job_recovery_summary(job_id: str, times: list[RecoveryTimes]) -> str:
     return line
 
 
+def _requeued_runs(store: Store, job_id: str) -> list[tuple[str, int]]:
+    """The later runs of a Slurm job (``slurm-42`` -> ``slurm-42-r1``, ``-r2``, ...: a requeued job
+    runs again under the same Slurm id, :func:`ranklens.config.slurm_job_name`), each with the end of
+    its first completed step; empty for any other job id."""
+    from ranklens.config import slurm_job_of
+
+    sid = slurm_job_of(job_id)
+    if sid is None:
+        return []
+    m = re.fullmatch(r".*-r(\d+)", job_id)
+    n = int(m.group(1)) if m else 0
+    rows = store.query(
+        f"SELECT job_id, min(end_ns) AS ts FROM steps WHERE startsWith(job_id, 'slurm-{_esc(sid)}-r') GROUP BY job_id"
+    ).to_pylist()
+    out = []
+    for r in rows:
+        k = re.fullmatch(rf"slurm-{re.escape(sid)}-r(\d+)", str(r["job_id"]))
+        if k and int(k.group(1)) > n:
+            out.append((str(r["job_id"]), int(r["ts"])))
+    return out
+
+
+def earlier_runs(job_id: str) -> list[str]:
+    """The runs a requeued Slurm job had before this one (``slurm-42-r2`` -> ``slurm-42``,
+    ``slurm-42-r1``); empty for any other job id. Their remediations end in this run."""
+    m = re.fullmatch(r"(slurm-\d+(?:_\d+)?)-r(\d+)", job_id)
+    if not m:
+        return []
+    return [m.group(1)] + [f"{m.group(1)}-r{k}" for k in range(1, int(m.group(2)))]
+
+
 def recovery_times(store: Store, job_id: str, *, record: bool = True) -> list[RecoveryTimes]:
     """MTTD/MTTR of every live remediation decision of a job; with ``record``, each one after which
-    training resumed becomes an ``actions`` row with outcome ``resumed`` (once)."""
+    training resumed becomes an ``actions`` row with outcome ``resumed`` (once). Training resumed
+    when a later attempt of the job completed its first step, or, for a Slurm job that was
+    requeued, when its next run (``slurm-<id>-r<n>``, another job id) did."""
     j = _esc(job_id)
     # every live remediation decision; done when its executor row came (any outcome: a crashed rank
     # is restarted by torch elastic itself, the executor then skips it), else when decided
@@ -249,6 +293,7 @@ def recovery_times(store: Store, job_id: str, *, record: bool = True) -> list[Re
             f"SELECT attempt, uniqExact(rank) AS n FROM heartbeats WHERE job_id = '{j}' GROUP BY attempt"
         ).to_pylist()
     }
+    requeued = _requeued_runs(store, job_id)
     out: list[RecoveryTimes] = []
     rows = []
     for a in acted:
@@ -258,6 +303,12 @@ def recovery_times(store: Store, job_id: str, *, record: bool = True) -> list[Re
         action_ns = executed.get(str(a["idempotency_key"]), int(a["ts"]))
         later = sorted((att, ts) for att, ts in first_step.items() if att > f.attempt)
         resumed = later[0] if later else None
+        resumed_job = ""
+        if resumed is None:  # a requeued Slurm job resumes as the next run id, with its own attempts
+            nxt = [(ts, job) for job, ts in requeued if ts > action_ns]
+            if nxt:
+                ts, resumed_job = min(nxt)
+                resumed = (0, ts)
         t = RecoveryTimes(
             finding_id=f.id,
             kind=f.kind,
@@ -269,6 +320,7 @@ def recovery_times(store: Store, job_id: str, *, record: bool = True) -> list[Re
             resumed_ns=resumed[1] if resumed else None,
             resumed_attempt=resumed[0] if resumed else None,
             ranks=ranks.get(f.attempt, 0),
+            resumed_job=resumed_job,
         )
         out.append(t)
         if record and resumed and a["idempotency_key"] not in recorded:

@@ -1,5 +1,6 @@
 """A plain DDP job (no ranklens code) whose rank ``$HANG_RANK`` sleeps at step ``$HANG_STEP`` in its
-first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0): the `ranklens run --recover` test. Rank 0
+first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0, and not a requeued Slurm run:
+``SLURM_RESTART_COUNT`` unset or 0): the `ranklens run --recover` tests. Rank 0
 checkpoints every 4 steps; a restarted attempt resumes from the checkpoint ``$CKPT``. Prints
 "trained N steps in attempt A" at the end."""
 
@@ -18,6 +19,7 @@ def main() -> None:
     steps, bad, at = int(os.environ.get("STEPS", "24")), int(os.environ["HANG_RANK"]), int(os.environ["HANG_STEP"])
     ckpt = os.environ["CKPT"]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -30,7 +32,7 @@ def main() -> None:
         model.module.load_state_dict(state["model"])
         start = int(state["step"])
     for step in range(start, steps):
-        if attempt == 0 and rank == bad and step == at:
+        if attempt == 0 and not requeued and rank == bad and step == at:
             time.sleep(3600)  # stuck before the step's collectives (a dataloader, a host problem, ...)
         loss = model(torch.randn(8, 16)).pow(2).mean()
         loss.backward()

@@ -259,7 +259,10 @@ def test_sbatch_job_under_ranklens_run_recover_drains_its_node_when_a_rank_hangs
     """The user's path: `sbatch` a script that runs `ranklens run --recover POLICY -- torchrun ...`
     (2 gloo ranks; rank 1 stops at step 6). The job is `slurm-<id>` without being told; the live
     hang finding drains the node (the policy's rule: hang -> replace_node) and requeues the job,
-    which Slurm ends and keeps pending (its only node is drained); the rows are in the store."""
+    which Slurm ends and keeps pending (its only node is drained); the rows are in the store. Once
+    the node is back (here: resumed by hand, as an admin would after fixing it), the requeued run
+    (`slurm-<id>-r1`) trains to the end from the checkpoint, and its `ranklens run` reports when
+    training resumed after the requeue (MTTR across the two runs)."""
     policy = tmp_path / "policy.toml"
     text = (ROOT / "deploy/policies/slurm-drain.toml").read_text()
     assert "\ndry_run = true" in text  # the shipped policy is a dry run: this test makes it live
@@ -281,7 +284,7 @@ def test_sbatch_job_under_ranklens_run_recover_drains_its_node_when_a_rank_hangs
     env = {k: v for k, v in os.environ.items() if not k.startswith("RANKLENS_")}
     env.update(HANG_RANK="1", HANG_STEP="6", CKPT=str(tmp_path / "ckpt.pt"), OMP_NUM_THREADS="1")
     out = subprocess.run(
-        ["sbatch", "--requeue", "--parsable", "-o", str(tmp_path / "out-%j.log"), str(script)],
+        ["sbatch", "--requeue", "--parsable", "--open-mode=append", "-o", str(tmp_path / "out-%j.log"), str(script)],
         capture_output=True, text=True, check=True, env=env, timeout=30,
     ).stdout  # fmt: skip
     job = out.strip().split(";")[0]
@@ -311,6 +314,22 @@ def test_sbatch_job_under_ranklens_run_recover_drains_its_node_when_a_rank_hangs
             ("executor:slurm", "acknowledged"),
         ]
         assert json.loads(rows[1]["detail"])["requeued"] is True
+        # the node is fixed: the requeued run starts, resumes from the checkpoint and ends
+        subprocess.run(["scontrol", "update", f"nodename={NODE}", "state=resume"], check=True, timeout=30)
+        subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], capture_output=True, timeout=30)
+        try:
+            _wait(lambda: _job("JobState", job) == "COMPLETED", "the requeued run to complete", timeout_s=240)
+        except AssertionError:
+            raise AssertionError(log.read_text()[-6000:] if log.exists() else "no job output") from None
+        text = log.read_text()
+        assert f"ranklens run: job slurm-{job}-r1 exited 0" in text, text[-3000:]
+        assert f"training resumed (job slurm-{job}-r1's first step done)" in text, text[-3000:]
+        resumed = (
+            open_store(store, create=False)
+            .query(f"SELECT detail FROM actions WHERE job_id = 'slurm-{job}' AND outcome = 'resumed'")
+            .to_pylist()
+        )
+        assert len(resumed) == 1 and json.loads(resumed[0]["detail"])["resumed_job"] == f"slurm-{job}-r1"
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
         subprocess.run(["scontrol", "update", f"nodename={NODE}", "state=resume"], capture_output=True, timeout=30)

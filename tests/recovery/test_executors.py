@@ -298,3 +298,49 @@ def test_a_jobs_recovery_summary_adds_up_its_remediations():
     )
     assert job_recovery_summary("j", [stuck]) == "job j: 1 remediation(s), 0 resumed training; mean MTTD 11.0 s"
     assert job_recovery_summary("j", []) == "job j: no remediation"
+
+
+def test_a_requeued_slurm_job_resumes_as_its_next_run(store):
+    """Slurm requeues a job under the same id; ranklens names the next run `slurm-<id>-r1`. The
+    requeue's remediation of `slurm-42` ends when `slurm-42-r1` completes its first step (not a
+    later attempt of `slurm-42`, which never comes); another Slurm job's runs do not count."""
+    from ranklens.analyzers import save_findings
+    from ranklens.analyzers.recovery.audit import action_row
+    from ranklens.recover import earlier_runs, recovery_times
+
+    s = 10**9
+    t0 = time.time_ns() - 3600 * s
+    f = finding(job_id="slurm-42", kind="hang", rank=1, now_ns=t0 + 100 * s)
+    save_findings(store, [f])
+    key = "k-42"
+    common = dict(finding_id=f.id, job_id="slurm-42", attempt=0, action="replace_node", idempotency_key=key)
+    store.write("actions", [
+        action_row(**common, target="node:n1", outcome="decided", ts_ns=t0 + 110 * s),
+        action_row(**common, target="executor:slurm", outcome="acknowledged", ts_ns=t0 + 112 * s),
+    ])  # fmt: skip
+
+    def step(job: str, end_s: float) -> dict:
+        return {"job_id": job, "attempt": 0, "rank": 0, "step": 0, "start_ns": t0, "end_ns": t0 + int(end_s * s)}
+
+    # the other job's requeued run resumed first; slurm-42's own earlier steps are before the action
+    store.write("steps", [step("slurm-420-r1", 130), step("slurm-42", 50), step("slurm-42-r1", 160)])
+    (t,) = recovery_times(store, "slurm-42")
+    assert t.resumed_job == "slurm-42-r1" and t.resumed_ns == t0 + 160 * s
+    assert t.mttr_s == pytest.approx((t0 + 160 * s - t.onset_ns) / 1e9)
+    assert "training resumed (job slurm-42-r1's first step done)" in t.line()
+    rows = store.query("SELECT outcome, detail FROM actions WHERE job_id = 'slurm-42' AND outcome = 'resumed'").rows()
+    assert len(rows) == 1 and json.loads(rows[0][1])["resumed_job"] == "slurm-42-r1"
+    recovery_times(store, "slurm-42")  # recorded once
+    assert store.query("SELECT count() FROM actions WHERE outcome = 'resumed'").rows()[0][0] == 1
+    # what `ranklens run --recover` of the requeued run looks at, besides its own id
+    assert earlier_runs("slurm-42-r2") == ["slurm-42", "slurm-42-r1"]
+    assert earlier_runs("slurm-42") == [] and earlier_runs("job-r") == []
+    # a job that is not a Slurm job has no later runs
+    g = finding(job_id="plain", kind="hang", rank=1, now_ns=t0 + 100 * s)
+    save_findings(store, [g])
+    store.write("actions", [action_row(finding_id=g.id, job_id="plain", attempt=0, action="restart_job",
+                                       idempotency_key="k-p", target="job:plain", outcome="decided",
+                                       ts_ns=t0 + 110 * s)])  # fmt: skip
+    store.write("steps", [step("plain-r1", 200)])
+    (p,) = recovery_times(store, "plain")
+    assert p.resumed_ns is None and p.resumed_job == ""
