@@ -94,6 +94,10 @@ class RankCollectiveKernels:
     wait_ms: float
     launch_ms_mean: float
 
+    @property
+    def wait_pctg(self) -> float:
+        return round(100.0 * self.wait_ms / self.kernel_ms, 2) if self.kernel_ms > 0 else 0.0
+
     def to_json(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
@@ -101,7 +105,7 @@ class RankCollectiveKernels:
             "matched": self.matched,
             "kernel_ms": round(self.kernel_ms, 3),
             "wait_ms": round(self.wait_ms, 3),
-            "wait_pctg": round(100.0 * self.wait_ms / self.kernel_ms, 2) if self.kernel_ms > 0 else 0.0,
+            "wait_pctg": self.wait_pctg,
             "launch_ms_mean": round(self.launch_ms_mean, 3),
         }
 
@@ -185,7 +189,13 @@ def collective_kernels(
     """The job's communication kernels joined to its ledger by ``(rank, pg, seq)``; None when no
     kernel carries a sequence number (traces of torch before 2.5, CPU-only profiles) or the job has
     no ledger."""
-    (with_seq,) = store.query(f"SELECT count() FROM ({_kernels_sql(job_id, attempt, ranks, 0)})").rows()[0]
+    kernels_per_rank = {
+        int(r): int(n)
+        for r, n in store.query(
+            f"SELECT rank, count() FROM ({_kernels_sql(job_id, attempt, ranks, 0)}) GROUP BY rank"
+        ).rows()
+    }
+    with_seq = sum(kernels_per_rank.values())
     if not with_seq:
         return None
     (in_ledger,) = store.query(
@@ -203,25 +213,24 @@ def collective_kernels(
             break  # every kernel paired consistently: no other shift can do better
     assert best is not None
     n_good, matched, shift, kept = best
-    members: dict[tuple[str, int], list[tuple[int, int]]] = {}
-    for rank, pg, seq, _coll, _ts, dur, _op, _enter, _n, _b in kept:
-        members.setdefault((str(pg), int(seq)), []).append((int(rank), int(dur)))
-    shortest = {k: min(d for _r, d in v) for k, v in members.items() if len(v) >= 2}
+    durations: dict[tuple[str, int], list[int]] = {}  # per collective, its members' kernels
+    for _rank, pg, seq, _coll, _ts, dur, _op, _enter, _n, _b in kept:
+        durations.setdefault((str(pg), int(seq)), []).append(int(dur))
+    shortest = {k: min(v) for k, v in durations.items() if len(v) >= 2}
     acc: dict[int, list[float]] = {}
+    waits: dict[tuple[str, int], list[Any]] = {}  # per collective split into wait: op, kernels, wait ms
     for rank, pg, seq, _coll, ts, dur, op, enter, _n, _b in kept:
         a = acc.setdefault(int(rank), [0, 0.0, 0.0, 0.0])
         a[0] += 1
         a[1] += int(dur) / 1e6
         key = (str(pg), int(seq))
         if key in shortest and _norm(str(op)) not in _P2P:
-            a[2] += (int(dur) - shortest[key]) / 1e6
+            wait_ms = (int(dur) - shortest[key]) / 1e6
+            a[2] += wait_ms
+            w = waits.setdefault(key, [str(op), 0, 0.0])
+            w[1] += 1
+            w[2] += wait_ms
         a[3] += (int(ts) - int(enter)) / 1e6
-    kernels_per_rank = dict(
-        (int(r), int(n))
-        for r, n in store.query(
-            f"SELECT rank, count() FROM ({_kernels_sql(job_id, attempt, ranks, 0)}) GROUP BY rank"
-        ).rows()
-    )
     per_rank = tuple(
         RankCollectiveKernels(
             r,
@@ -233,7 +242,7 @@ def collective_kernels(
         )
         for r in sorted(kernels_per_rank)
     )
-    top = _top(store, job_id, attempt, kept, shortest)
+    top = _top(store, job_id, attempt, waits, shortest)
     return CollectiveKernels(
         int(with_seq), matched, n_good, shift, per_rank, top, _joined_sql(job_id, attempt, ranks, shift)
     )
@@ -243,21 +252,14 @@ def _top(
     store: Store,
     job_id: str,
     attempt: int,
-    kept: list[tuple[Any, ...]],
+    waits: dict[tuple[str, int], list[Any]],
     shortest: dict[tuple[str, int], int],
 ) -> tuple[CollectiveWait, ...]:
-    """The collectives whose kernels waited longest, each with its last arriver from the ledger
-    (every member's arrival, on clocks aligned as blame aligns them)."""
+    """The collectives whose kernels waited longest (``waits``: per collective, its op, kernels and
+    wait ms), each with its last arriver from the ledger (every member's arrival, on clocks aligned
+    as blame aligns them)."""
     from ranklens.analyzers.blame import _aligned, blame_offsets
 
-    waits: dict[tuple[str, int], list[Any]] = {}
-    for _rank, pg, seq, _coll, _ts, dur, op, _enter, _n, _b in kept:
-        key = (str(pg), int(seq))
-        if key not in shortest or _norm(str(op)) in _P2P:
-            continue
-        w = waits.setdefault(key, [str(op), 0, 0.0])
-        w[1] += 1
-        w[2] += (int(dur) - shortest[key]) / 1e6
     chosen = sorted(waits.items(), key=lambda kv: -kv[1][2])[:TOP_COLLECTIVES]
     if not chosen:
         return ()

@@ -177,10 +177,9 @@ def _say_joined(say: Any, joined: Any) -> None:
         "launch: kernel start after the rank arrived):"
     )
     for r in joined.per_rank:
-        pct = 100.0 * r.wait_ms / r.kernel_ms if r.kernel_ms > 0 else 0.0
         say(
             f"  rank {r.rank}: {r.matched} of {r.kernels} kernels, {r.kernel_ms:.1f} ms, of it waiting "
-            f"{r.wait_ms:.1f} ms ({pct:.0f}%), launch {r.launch_ms_mean:.2f} ms after arrival"
+            f"{r.wait_ms:.1f} ms ({r.wait_pctg:.0f}%), launch {r.launch_ms_mean:.2f} ms after arrival"
         )
     if joined.top:
         c = joined.top[0]
