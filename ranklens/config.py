@@ -50,6 +50,7 @@ __all__ = [
     "node_name",
     "slurm_job_name",
     "slurm_job_of",
+    "slurm_run_of",
 ]
 
 # the store (every command, the dashboard)
@@ -114,11 +115,18 @@ def slurm_job_name(environ: Mapping[str, str]) -> str | None:
     return f"slurm-{jid}" + (f"-r{restarts}" if restarts and restarts != "0" else "")
 
 
+def slurm_run_of(job_id: str) -> tuple[str, int] | None:
+    """The Slurm job id and requeue count inside a ranklens job id made by :func:`slurm_job_name`
+    (``slurm-42-r1`` -> ``("42", 1)``, ``slurm-42`` -> ``("42", 0)``), else None."""
+    m = re.fullmatch(r"slurm-(\d+(?:_\d+)?)(?:-r(\d+))?", job_id)
+    return (m.group(1), int(m.group(2) or 0)) if m else None
+
+
 def slurm_job_of(job_id: str) -> str | None:
     """The Slurm job id inside a ranklens job id made by :func:`slurm_job_name` (``slurm-42-r1`` ->
     ``42``), else None."""
-    m = re.fullmatch(r"slurm-(\d+(?:_\d+)?)(?:-r\d+)?", job_id)
-    return m.group(1) if m else None
+    run = slurm_run_of(job_id)
+    return run[0] if run else None
 
 
 def env_int(name: str, default: int, *, minimum: int | None = None) -> int:

@@ -12,7 +12,6 @@ row (outcome ``resumed``).
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from ranklens.analyzers.recovery import RecoveryEngine
 from ranklens.analyzers.recovery.audit import action_row
 from ranklens.analyzers.recovery.executors import ExecContext
 from ranklens.analyzers.recovery.policy import Policy
-from ranklens.config import node_name
+from ranklens.config import node_name, slurm_run_of
 from ranklens.store.api import Store
 from ranklens.store.api import sql_escape as _esc
 
@@ -225,20 +224,17 @@ def _requeued_runs(store: Store, job_id: str) -> list[tuple[str, int]]:
     """The later runs of a Slurm job (``slurm-42`` -> ``slurm-42-r1``, ``-r2``, ...: a requeued job
     runs again under the same Slurm id, :func:`ranklens.config.slurm_job_name`), each with the end of
     its first completed step; empty for any other job id."""
-    from ranklens.config import slurm_job_of
-
-    sid = slurm_job_of(job_id)
-    if sid is None:
+    run = slurm_run_of(job_id)
+    if run is None:
         return []
-    m = re.fullmatch(r".*-r(\d+)", job_id)
-    n = int(m.group(1)) if m else 0
+    sid, n = run
     rows = store.query(
         f"SELECT job_id, min(end_ns) AS ts FROM steps WHERE startsWith(job_id, 'slurm-{_esc(sid)}-r') GROUP BY job_id"
     ).to_pylist()
     out = []
     for r in rows:
-        k = re.fullmatch(rf"slurm-{re.escape(sid)}-r(\d+)", str(r["job_id"]))
-        if k and int(k.group(1)) > n:
+        later = slurm_run_of(str(r["job_id"]))
+        if later is not None and later[0] == sid and later[1] > n:
             out.append((str(r["job_id"]), int(r["ts"])))
     return out
 
@@ -246,10 +242,11 @@ def _requeued_runs(store: Store, job_id: str) -> list[tuple[str, int]]:
 def earlier_runs(job_id: str) -> list[str]:
     """The runs a requeued Slurm job had before this one (``slurm-42-r2`` -> ``slurm-42``,
     ``slurm-42-r1``); empty for any other job id. Their remediations end in this run."""
-    m = re.fullmatch(r"(slurm-\d+(?:_\d+)?)-r(\d+)", job_id)
-    if not m:
+    run = slurm_run_of(job_id)
+    if run is None:
         return []
-    return [m.group(1)] + [f"{m.group(1)}-r{k}" for k in range(1, int(m.group(2)))]
+    sid, n = run
+    return [f"slurm-{sid}" + (f"-r{k}" if k else "") for k in range(n)]
 
 
 def recovery_times(store: Store, job_id: str, *, record: bool = True) -> list[RecoveryTimes]:
