@@ -88,6 +88,10 @@ class CpuWindow:
         hit = np.flatnonzero(self.ranks == rank)
         return int(hit[0]) if len(hit) else None
 
+    def above_peers(self, i: int, rates: np.ndarray) -> float:
+        """``rates[i]`` (one of this window's rate arrays) minus the median of the other ranks'."""
+        return float(rates[i] - np.median(np.delete(rates, i)))
+
 
 def cpu_window(store: Store, job_id: str, attempt: int, t0_ns: int, t1_ns: int) -> CpuWindow:
     """The ``cpu`` metric over ``[t0_ns, t1_ns]``: every rank's counters interpolated at both ends
@@ -177,9 +181,8 @@ def explains(
         return None
     delay = cw.proc_delay_rate if proc else cw.delay_rate
     cpu = cw.proc_cpu_rate if proc else cw.cpu_rate
-    others = np.delete(np.arange(len(cw.ranks)), i)
-    rd_x = float(delay[i] - np.median(delay[others])) * step_s
-    cpu_x = float(cpu[i] - np.median(cpu[others])) * step_s
+    rd_x = cw.above_peers(i, delay) * step_s
+    cpu_x = cw.above_peers(i, cpu) * step_s
     if cpu_x > MAX_CPU_SHARE * excess_per_step_s:
         return None
     if rd_x >= MIN_DELAY_SHARE * excess_per_step_s:
@@ -187,7 +190,7 @@ def explains(
     if not proc and rd_x >= MIN_THREAD_SHARE * excess_per_step_s:
         # the collective also waits for the backend's threads (gloo's I/O loop, NCCL's proxy):
         # when they waited for a CPU too, the process's run delay (all its threads) is what it lost
-        proc_x = float(cw.proc_delay_rate[i] - np.median(cw.proc_delay_rate[others])) * step_s
+        proc_x = cw.above_peers(i, cw.proc_delay_rate) * step_s
         if proc_x >= MIN_DELAY_SHARE * excess_per_step_s:
             return min(proc_x, excess_per_step_s), cpu_x
     return None

@@ -404,17 +404,13 @@ def discount_cpu_contention(
         if why is None:
             i = cw.index(rank)
             if i is not None and len(cw.ranks) >= 3:
-                others = np.delete(np.arange(len(cw.ranks)), i)
                 ev["cpu"] = {
-                    "run_delay_above_peers_per_step_s": round(
-                        float(cw.delay_rate[i] - np.median(cw.delay_rate[others])) * step_s, 6
-                    ),
-                    "cpu_above_peers_per_step_s": round(
-                        float(cw.cpu_rate[i] - np.median(cw.cpu_rate[others])) * step_s, 6
-                    ),
-                    "process_run_delay_above_peers_per_step_s": round(
-                        float(cw.proc_delay_rate[i] - np.median(cw.proc_delay_rate[others])) * step_s, 6
-                    ),
+                    name: round(cw.above_peers(i, rates) * step_s, 6)
+                    for name, rates in (
+                        ("run_delay_above_peers_per_step_s", cw.delay_rate),
+                        ("cpu_above_peers_per_step_s", cw.cpu_rate),
+                        ("process_run_delay_above_peers_per_step_s", cw.proc_delay_rate),
+                    )
                 }
             out.append(f)
             continue
