@@ -10,9 +10,9 @@ Decision (:func:`explains`): a straggler or link finding's excess per step ``E``
 host CPU contention when the suspect's run delay exceeds its peers' (their median) by at least
 ``MIN_DELAY_SHARE`` of ``E`` per step, while its CPU time does not exceed theirs by more than
 ``MAX_CPU_SHARE`` of ``E``: the rank did the same work as its peers and was late because it waited
-for a CPU. The collective also needs the backend's own threads (gloo's I/O loop, NCCL's proxy): when
-the training thread's extra run delay is at least ``MIN_THREAD_SHARE`` of ``E``, the process's (all
-its threads', above its peers') counts instead. A rank slowed by something of its own is not: sleeping
+for a CPU. The collective also needs the backend's own threads (gloo's I/O loop, NCCL's proxy), so
+the process's run delay (all its threads', above its peers') explains it as well, when the process did
+no more CPU work than its peers'. A rank slowed by something of its own is not: sleeping
 or blocking on I/O is not runnable (no run delay), extra compute is CPU time. A finding so explained is not reported; a
 :class:`Contention` note is, so the user still sees that the host is oversubscribed.
 """
@@ -32,9 +32,6 @@ __all__ = ["Contention", "CpuWindow", "cpu_window", "cpu_window_sql", "discount_
 
 MIN_DELAY_SHARE = 0.5  # run delay above the peers' explains at least this share of the excess...
 MAX_CPU_SHARE = 0.25  # ...and the rank's extra CPU time is at most this share of it
-# or: the training thread's run delay explains at least this share, and all the process's threads'
-# (the backend's transfer threads carry the collective too) at least MIN_DELAY_SHARE
-MIN_THREAD_SHARE = 0.25
 PAD_NS = 2_500_000_000  # samples come with the tracer's flush (0.5 s by default): read this far around each end
 
 
@@ -187,11 +184,14 @@ def explains(
         return None
     if rd_x >= MIN_DELAY_SHARE * excess_per_step_s:
         return rd_x, cpu_x
-    if not proc and rd_x >= MIN_THREAD_SHARE * excess_per_step_s:
-        # the collective also waits for the backend's threads (gloo's I/O loop, NCCL's proxy):
-        # when they waited for a CPU too, the process's run delay (all its threads) is what it lost
+    if not proc:
+        # the collective also waits for the backend's threads (gloo's I/O loop, NCCL's proxy): when
+        # the process's threads together waited for a CPU for half the excess, without more CPU work
+        # than its peers' processes (a rank's own extra thread, e.g. rank 0 saving a checkpoint, is not
+        # contention), that is what the rank lost
         proc_x = cw.above_peers(i, cw.proc_delay_rate) * step_s
-        if proc_x >= MIN_DELAY_SHARE * excess_per_step_s:
+        proc_cpu_x = cw.above_peers(i, cw.proc_cpu_rate) * step_s
+        if proc_x >= MIN_DELAY_SHARE * excess_per_step_s and proc_cpu_x <= MAX_CPU_SHARE * excess_per_step_s:
             return min(proc_x, excess_per_step_s), cpu_x
     return None
 
