@@ -137,6 +137,7 @@ class ComputeMatrix:
     peer_group: np.ndarray  # per rank: a peer-group label (same label, same work)
     hosts: dict[int, str]
     sql: str
+    unsettled: int = 0  # (rank, step) rows a settled matrix left out: their ledger is not in yet
 
     @property
     def empty(self) -> bool:
@@ -157,9 +158,20 @@ def _peer_groups(store: Store, job_id: str, attempt: int, ranks: np.ndarray) -> 
     return labels, hosts
 
 
-def compute_matrix(store: Store, job_id: str, attempt: int = 0, *, window_steps: int | None = None) -> ComputeMatrix:
+def compute_matrix(
+    store: Store, job_id: str, attempt: int = 0, *, window_steps: int | None = None, settled: bool = False
+) -> ComputeMatrix:
     """Run the compute metric in the store and shape it as rank x step matrices (only the last
-    ``window_steps`` steps when given: a live loop does not rescan the whole history)."""
+    ``window_steps`` steps when given: a live loop does not rescan the whole history).
+
+    ``settled`` (a live pass): a rank's step counts only once the store holds the rank's ledger past
+    the step's end (a collective it entered after the step ended). A rank's collectives reach the
+    store later than its steps (its tracer reads torch's ring every few seconds, and each table is
+    a segment of its own): a step whose waits are not in yet looks like compute, and a rank whose
+    ring was read last looked like a straggler for a few steps (a fresh-clone CI run named healthy
+    rank 0 of the throttled-link drill, +240 ms/step for three steps, while its stored compute was
+    flat). A rank with no collective in the window is kept as it is when no rank has one (a job
+    with no collectives), and left out otherwise (its ledger has not arrived)."""
     min_step = 0
     if window_steps:
         top = store.query(
@@ -169,14 +181,20 @@ def compute_matrix(store: Store, job_id: str, attempt: int = 0, *, window_steps:
     sql = compute_sql(job_id, attempt, min_step)
     r = store.query(sql)
     if r.num_rows == 0:
-        z = np.zeros((0, 0))
-        return ComputeMatrix(job_id, attempt, np.array([], np.int64), np.array([], np.int64), z, z,
-                             np.array([], np.int64), np.array([], np.int64), {}, sql)  # fmt: skip
+        return _empty_matrix(job_id, attempt, sql)
     rank = r.column("rank").astype(np.int64)
     step = r.column("step").astype(np.int64)
     dur = r.column("dur_ns").astype(np.float64) / 1e9
     wait = np.minimum(r.column("wait_ns").astype(np.float64) / 1e9, dur)
     start = r.column("start_ns").astype(np.int64)
+    unsettled = 0
+    if settled:
+        keep = _settled(store, job_id, attempt, min_step, rank, start + r.column("dur_ns").astype(np.int64))
+        if keep is not None:
+            unsettled = int(len(keep) - keep.sum())
+            rank, step, dur, wait, start = rank[keep], step[keep], dur[keep], wait[keep], start[keep]
+            if len(rank) == 0:
+                return _empty_matrix(job_id, attempt, sql, unsettled)
     ranks, ri = np.unique(rank, return_inverse=True)
     steps, si = np.unique(step, return_inverse=True)
     compute = np.full((len(ranks), len(steps)), np.nan)
@@ -186,7 +204,29 @@ def compute_matrix(store: Store, job_id: str, attempt: int = 0, *, window_steps:
     step_start = np.full(len(steps), np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(step_start, si, start)
     labels, hosts = _peer_groups(store, job_id, attempt, ranks)
-    return ComputeMatrix(job_id, attempt, ranks, steps, compute, step_s, step_start, labels, hosts, sql)
+    return ComputeMatrix(job_id, attempt, ranks, steps, compute, step_s, step_start, labels, hosts, sql, unsettled)
+
+
+def _empty_matrix(job_id: str, attempt: int, sql: str, unsettled: int = 0) -> ComputeMatrix:
+    z = np.zeros((0, 0))
+    e = np.array([], np.int64)
+    return ComputeMatrix(job_id, attempt, e, e, z, z, e, e, {}, sql, unsettled)
+
+
+def _settled(
+    store: Store, job_id: str, attempt: int, min_step: int, rank: np.ndarray, end_ns: np.ndarray
+) -> np.ndarray | None:
+    """Which (rank, step) rows have the rank's ledger past their end (see :func:`compute_matrix`);
+    None: the window has no collective at all (nothing to wait for)."""
+    r = store.query(
+        f"SELECT rank, max(enter_ns) AS mark FROM collectives WHERE job_id = '{_esc(job_id)}' "
+        f"AND attempt = {int(attempt)} AND step >= {int(min_step)} GROUP BY rank"
+    )
+    if r.num_rows == 0:
+        return None
+    marks = dict(zip(r.column("rank").astype(np.int64).tolist(), r.column("mark").astype(np.int64).tolist()))
+    mark = np.array([marks.get(int(x), np.iinfo(np.int64).min) for x in rank], dtype=np.int64)
+    return end_ns <= mark
 
 
 def phase_excess(store: Store, cm: ComputeMatrix, rank: int, steps: np.ndarray) -> dict[str, float]:

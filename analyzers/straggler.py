@@ -348,7 +348,9 @@ def find_stragglers(
     over (``"blame"``: a :class:`StragglerDetector`; ``"compute"``: a :class:`PeerDetector`). A rank
     that was behind because its host starved it of CPU (:mod:`ranklens.analyzers.contention`) is not
     a straggler: its finding is left out and, when ``contention`` is given, a note about it is
-    appended there.
+    appended there. ``window_steps`` (a live pass) analyses the last steps only, and of those only
+    the ones the rank's ledger has passed (:func:`~ranklens.analyzers.compute.compute_matrix`'s
+    ``settled``): a step whose collectives are still on their way is not compute.
     """
     metric = getattr(detector, "metric", None) if detector is not None else "compute"
     if metric not in ("blame", "compute"):
@@ -361,7 +363,10 @@ def find_stragglers(
         blame = compute_blame(store, job_id, attempt)
         findings = [to_finding(blame, d, blame_det) for d in blame_det.detect(blame)]
         return merge_node_findings(discount_cpu_contention(store, findings, contention), blame.hosts)
-    cm = compute_matrix(store, job_id, attempt, window_steps=window_steps)
+    # a live window (window_steps) takes only the steps whose collectives are in (compute_matrix)
+    cm = compute_matrix(store, job_id, attempt, window_steps=window_steps, settled=window_steps is not None)
+    if cm.empty and cm.unsettled:
+        return []  # steps, none settled yet: the next pass decides (not the blame detector on half a ledger)
     if cm.empty:
         blame_detector = PersistentBlameDetector()
         blame = compute_blame(store, job_id, attempt)
