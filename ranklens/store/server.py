@@ -262,6 +262,22 @@ class ServerStore:
                         f"ClickHouse server {self.url} refused the credentials of user {cfg.user!r}: {msg}; "
                         f"check the user and password in the store URL (or ${_password_env()})"
                     ) from None
+                if _unavailable(e.code, msg):
+                    # the server is up but could not reach its cluster (a replica or shard down,
+                    # ZooKeeper gone): the store is unavailable, not the query wrong. A read is
+                    # retried; an insert is not (part of it may be stored: the shipper asks first)
+                    what = f"could not complete the query on its cluster: {msg}"
+                    if not idempotent:
+                        raise StoreUnavailable(
+                            f"ClickHouse server {self.url} failed during an insert (not retried): {what}"
+                        ) from None
+                    if attempt == cfg.retries:
+                        raise StoreUnavailable(
+                            f"ClickHouse server {self.url} {what} ({attempt + 1} attempt(s))"
+                        ) from None
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
                 raise StoreError(f"ClickHouse server {self.url} rejected the query: {msg}") from None
             except ch_errors.Error as e:
                 raise StoreError(f"ClickHouse client error against {self.url}: {_one_line(str(e))}") from e
@@ -556,6 +572,25 @@ def _import_driver() -> None:
 
 # UNKNOWN_USER, WRONG_PASSWORD, REQUIRED_PASSWORD, IP_ADDRESS_NOT_ALLOWED (18.16), AUTHENTICATION_FAILED (20+)
 _AUTH_CODES = frozenset({192, 193, 194, 195, 516})
+
+# The server's own network or coordination failed, not the query: SOCKET_TIMEOUT, NETWORK_ERROR,
+# DNS_ERROR, TOO_MANY_SIMULTANEOUS_QUERIES, NO_FREE_CONNECTION, NO_ZOOKEEPER, TABLE_IS_READ_ONLY
+# (a replica that lost ZooKeeper), TOO_MANY_PARTS, ALL_CONNECTION_TRIES_FAILED, TOO_FEW_LIVE_REPLICAS,
+# UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE, UNKNOWN_STATUS_OF_INSERT, KEEPER_EXCEPTION. A fresh-clone CI
+# run killed a replica mid-ingest: a Distributed insert failed with ALL_CONNECTION_TRIES_FAILED, taken
+# for a refusal, and the shipper quarantined a good segment.
+_UNAVAILABLE_CODES = frozenset({198, 202, 203, 209, 210, 225, 242, 252, 279, 285, 286, 319, 999})
+_ATTEMPT_TO_READ_AFTER_EOF = 32
+
+
+def _unavailable(code: int | None, msg: str) -> bool:
+    """A server error that says the store (its cluster) is unavailable now, not that the query is wrong:
+    one of :data:`_UNAVAILABLE_CODES`, or a read past the end of what another server sent (its
+    connection dropped: "while receiving packet from host:port"; the same code on the server's own
+    input is the query's data at fault)."""
+    if code in _UNAVAILABLE_CODES:
+        return True
+    return code == _ATTEMPT_TO_READ_AFTER_EOF and "while receiving packet from" in msg
 
 
 def _one_line(text: str) -> str:

@@ -200,3 +200,18 @@ def test_server_store_threads_use_their_own_clients(server_store):
     with ThreadPoolExecutor(4) as ex:
         list(ex.map(work, range(16)))
     assert server_store.query("SELECT count() FROM collectives").scalar() == 16
+
+
+def test_server_errors_that_say_the_cluster_is_unreachable_are_the_store_unavailable():
+    """Server error codes from the server's own network or coordination (a replica killed mid-ingest
+    answers ALL_CONNECTION_TRIES_FAILED, a read past the end from another server) make the store
+    unavailable, retried later; the same read-past-the-end on the query's own data is a refusal."""
+    from ranklens.store.server import _unavailable
+
+    assert _unavailable(279, "DB::NetException: All connection tries failed")
+    assert _unavailable(209, "Timeout exceeded while reading from socket (127.0.0.1:33777)")
+    assert _unavailable(32, "Attempt to read after eof: while receiving packet from 127.0.0.1:52525")
+    assert not _unavailable(32, "Attempt to read after eof: (at row 3)")
+    assert not _unavailable(62, "Syntax error: failed at position 1")  # a query at fault
+    assert not _unavailable(60, "Table ranklens.nope doesn't exist")
+    assert not _unavailable(None, "")
