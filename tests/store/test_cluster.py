@@ -134,6 +134,15 @@ def _stored(store: Any, job: str) -> int:
     return int(store.query(f"SELECT count() FROM collectives WHERE job_id = '{job}'").scalar())
 
 
+def _stored_now(store: Any, job: str) -> int | None:
+    """The count, or None while the cluster cannot answer (a replica was just killed: the store says
+    it is unavailable, and it is asked again)."""
+    try:
+        return _stored(store, job)
+    except StoreUnavailable:
+        return None
+
+
 def _drain(sh: Shipper) -> None:
     """Ship until the spool is empty (passes that fail while the cluster recovers are retried)."""
     wait_until(
@@ -176,11 +185,13 @@ def test_replica_killed_mid_ingest_every_row_once_on_every_replica(cluster, stor
     try:
         wait_until(lambda: _stored(store, job) >= 1500, SETTLE_S, "the first rows through the cluster")
         cluster.kill_node(4)  # shard 2's second replica, while batches are going to it
-        before = _stored(store, job)
-        wait_until(lambda: _stored(store, job) >= before + 1500, SETTLE_S, "rows shipped with a replica dead")
+        before = wait_until(lambda: _stored_now(store, job), SETTLE_S, "a count with a replica dead")
+        wait_until(
+            lambda: (_stored_now(store, job) or 0) >= before + 1500, SETTLE_S, "rows shipped with a replica dead"
+        )
         cluster.start_node(4)
-        after = _stored(store, job)
-        wait_until(lambda: _stored(store, job) >= after + 500, SETTLE_S, "rows shipped after the restart")
+        after = wait_until(lambda: _stored_now(store, job), SETTLE_S, "a count after the restart")
+        wait_until(lambda: (_stored_now(store, job) or 0) >= after + 500, SETTLE_S, "rows shipped after the restart")
     finally:
         w.stop()
         loop.close(60)
