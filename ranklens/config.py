@@ -38,6 +38,7 @@ __all__ = [
     "ENV_OUTBOX",
     "ENV_POLICY",
     "ENV_PROFILE_EVERY",
+    "ENV_ROLLUPS",
     "ENV_SIGTERM_FLUSH",
     "ENV_SPOOL",
     "ENV_STORE",
@@ -56,6 +57,7 @@ __all__ = [
 # the store (every command, the dashboard)
 ENV_STORE = "RANKLENS_STORE"  # store URL; default ./ranklens-store (embedded)
 ENV_STORE_PASSWORD = "RANKLENS_STORE_PASSWORD"  # the server store's password, never in a URL
+ENV_ROLLUPS = "RANKLENS_ROLLUPS"  # 0: analyzers read the raw ledger where a server has rollups (checks, benchmarks)
 
 # tracing, inside each rank
 ENV_SPOOL = "RANKLENS_SPOOL"  # spool root the ranks write and the collector ships

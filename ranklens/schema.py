@@ -24,17 +24,20 @@ from typing import Any
 
 __all__ = [
     "INGEST_ID",
+    "ROLLUPS",
     "SCHEMA_VERSION",
     "TABLES",
     "Column",
+    "Rollup",
     "Table",
     "render_cluster_ddl",
     "render_server_ddl",
     "table",
 ]
 
-SCHEMA_VERSION = 10  # 7: the cpu table (host CPU contention, issue 21); 8: the preflight table (issue 16);
-# 9: the drills table (issue 14); 10: trace_events' pg and seq (a trace's collectives joined to the ledger, issue 17)
+SCHEMA_VERSION = 11  # 7: the cpu table (host CPU contention, issue 21); 8: the preflight table (issue 16);
+# 9: the drills table (issue 14); 10: trace_events' pg and seq (a trace's collectives joined to the ledger, issue 17);
+# 11: collectives.host and the collective_arrivals rollup on servers (issue 19)
 
 _SCALARS = {"Int32", "Int64", "UInt8", "UInt32", "UInt64", "Float64", "String"}
 
@@ -165,6 +168,11 @@ _table(
         ),
         _c("clock", "String", "cpu or cuda: what enter/start/end were measured on", default="cpu"),
         _c("async_op", "UInt8", "1 when issued with async_op=True"),
+        _c(
+            "host",
+            "String",
+            "node the rank ran on ('' unknown: written before schema 11, or by a flight-recorder dump)",
+        ),
     ],
     ("job_id", "attempt", "pg", "seq", "rank"),
     "one row per rank x collective call (the arrival ledger)",
@@ -505,6 +513,85 @@ _table(
 )
 
 
+# -- rollups (issue 19): materialised views into AggregatingMergeTree, on servers ---------------
+#
+# A rollup is filled by a materialised view as rows are inserted into its source table, so it holds
+# one row per key and insert block instead of one per rank. Only servers have them (the embedded
+# store keeps Parquet parts, no views): the analyzers use a rollup when the store has it and read
+# the raw table otherwise, with the same results.
+#
+# Resend-safe: the collector may discard part of a batch from the raw table and send the batch
+# again (docs/collector.md); the view then saw those rows twice, and a deletion cannot reach them.
+# min, max and argMax do not change when a row is seen twice; count and sum do, so the rollup keeps
+# both ``rows`` (count) and ``ranks`` (distinct ranks; a rank enters a collective once): where they
+# differ the analyzers read the raw table instead.
+
+
+@dataclass(frozen=True)
+class Rollup:
+    """A rollup table: ``keys`` (columns of ``source``, grouped by), ``aggregates`` (each ``(column,
+    state expression over the source's columns, AggregateFunction type)``) and a ``day`` column
+    (days since the epoch of the arrivals, the last key: what a current server partitions and
+    expires the rollup by)."""
+
+    name: str
+    source: str
+    keys: tuple[str, ...]
+    aggregates: tuple[tuple[str, str, str], ...]
+    time_column: str  # the source's ns column ``day`` is taken from
+    doc: str
+    shard_key: str
+
+    @property
+    def order_by(self) -> tuple[str, ...]:
+        return (*self.keys, "day")
+
+    def structure(self) -> str:
+        src = TABLES[self.source]
+        cols = [f"{k} {src.column(k).type}" for k in self.keys] + ["day UInt32"]
+        return ", ".join(cols + [f"{c} {t}" for c, _e, t in self.aggregates])
+
+    def select(self, source: str) -> str:
+        """The rollup's rows from ``source`` (a table, or a subquery with the source's columns): the
+        materialised view's query, and a backfill's."""
+        keys = ", ".join(self.keys)
+        day = f"toUInt32(intDiv({self.time_column}, 86400000000000))"
+        states = ", ".join(f"{e} AS {c}" for c, e, _t in self.aggregates)
+        return f"SELECT {keys}, {day} AS day, {states} FROM {source} GROUP BY {keys}, day"
+
+
+ROLLUPS: dict[str, Rollup] = {
+    "collective_arrivals": Rollup(
+        "collective_arrivals",
+        "collectives",
+        ("job_id", "attempt", "pg", "seq", "step", "host"),
+        (
+            ("rows", "countState()", "AggregateFunction(count)"),
+            ("ranks", "uniqExactState(rank)", "AggregateFunction(uniqExact, Int32)"),
+            ("first_enter_ns", "minState(enter_ns)", "AggregateFunction(min, Int64)"),
+            ("last_enter_ns", "maxState(enter_ns)", "AggregateFunction(max, Int64)"),
+            # the last arriver; at equal arrivals the lowest rank (as the raw query decides)
+            (
+                "last_rank",
+                "argMaxState(rank, (enter_ns, toInt64(-rank)))",
+                "AggregateFunction(argMax, Int32, Tuple(Int64, Int64))",
+            ),
+            # the sum of arrivals in whole seconds and the rest: each exact in Int64 (ns at 10,000 ranks would not be)
+            ("enter_s_sum", "sumState(toInt64(intDiv(enter_ns, 1000000000)))", "AggregateFunction(sum, Int64)"),
+            ("enter_rest_ns_sum", "sumState(toInt64(enter_ns % 1000000000))", "AggregateFunction(sum, Int64)"),
+        ),
+        "enter_ns",
+        "per collective, step and host: arrivals (first, last, last arriver, sum, count); blame reads it",
+        "cityHash64(job_id, pg, seq)",
+    ),
+}
+
+
+def rollup(name: str) -> Rollup:
+    """The rollup called ``name``."""
+    return ROLLUPS[name]
+
+
 def table(name: str) -> Table:
     """The table called ``name``; a clear error for an unknown one."""
     try:
@@ -533,7 +620,24 @@ def render_server_ddl(database: str = "ranklens") -> str:
             f"CREATE TABLE IF NOT EXISTS {database}.{t.name} ({t.structure()}) "
             f"ENGINE = {t.engine} ORDER BY ({', '.join(t.order_by)});"
         )
+    for r in ROLLUPS.values():
+        out += _rollup_ddl(
+            database, r, f"({r.structure()}) ENGINE = AggregatingMergeTree() ORDER BY ({', '.join(r.order_by)})"
+        )
     return "\n".join(out) + "\n"
+
+
+def _rollup_ddl(database: str, r: Rollup, body: str, oc: str = "", local: str = "") -> list[str]:
+    """A rollup's table (``body``: its columns and engine; ``local``: the suffix of a cluster's
+    local tables) and its materialised view, filled from the source table (on a cluster: from the
+    local source table, on the server a row is stored on)."""
+    on = f" {oc}" if oc else ""
+    return [
+        f"-- rollup: {r.doc}",
+        f"CREATE TABLE IF NOT EXISTS {database}.{r.name}{local}{on} {body};",
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS {database}.{r.name}_mv{on} TO {database}.{r.name}{local} AS "
+        f"{r.select(f'{database}.{r.source}{local}')};",
+    ]
 
 
 def render_cluster_ddl(database: str = "ranklens", cluster: str = "ranklens") -> str:
@@ -551,10 +655,17 @@ def render_cluster_ddl(database: str = "ranklens", cluster: str = "ranklens") ->
         cluster,
         header,
         lambda t, engine: f"({t.structure()}) ENGINE = {engine} ORDER BY ({', '.join(t.order_by)})",
+        lambda r, engine: f"({r.structure()}) ENGINE = {engine} ORDER BY ({', '.join(r.order_by)})",
     )
 
 
-def _cluster_ddl(database: str, cluster: str, header: list[str], body: Callable[[Table, str], str]) -> str:
+def _cluster_ddl(
+    database: str,
+    cluster: str,
+    header: list[str],
+    body: Callable[[Table, str], str],
+    rollup_body: Callable[[Rollup, str], str],
+) -> str:
     """A cluster's DDL: ``header``, the database and the meta table on every server, then per table
     its replicated local table (columns and engine clauses from ``body(table, engine)``) and the
     Distributed table over it under the plain name."""
@@ -575,6 +686,13 @@ def _cluster_ddl(database: str, cluster: str, header: list[str], body: Callable[
         out.append(
             f"CREATE TABLE IF NOT EXISTS {database}.{t.name} {oc} AS {database}.{t.name}_local "
             f"ENGINE = Distributed('{cluster}', '{database}', '{t.name}_local', {t.shard_key});"
+        )
+    for r in ROLLUPS.values():
+        engine = f"ReplicatedAggregatingMergeTree('/clickhouse/tables/{{shard}}/{database}/{r.name}', '{{replica}}')"
+        out += _rollup_ddl(database, r, rollup_body(r, engine), oc, "_local")
+        out.append(
+            f"CREATE TABLE IF NOT EXISTS {database}.{r.name} {oc} AS {database}.{r.name}_local "
+            f"ENGINE = Distributed('{cluster}', '{database}', '{r.name}_local', {r.shard_key});"
         )
     return "\n".join(out) + "\n"
 
@@ -626,6 +744,7 @@ DEFAULT_RETENTION_DAYS: dict[str, int] = {
     "drops": 30,
     "preflight": 180,
     "drills": 0,
+    "collective_arrivals": 180,  # the rollup (ROLLUPS): months of blame after the raw ledger is gone
 }
 
 # strings with few distinct values (dictionary-encoded on a current server)
@@ -663,9 +782,9 @@ def parse_retention(items: list[str] | tuple[str, ...]) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in items:
         name, sep, days = item.partition("=")
-        if not sep or name not in TIME_COLUMN:
+        if not sep or (name not in TIME_COLUMN and name not in ROLLUPS):
             raise ConfigError(
-                f"retention {item!r}: expected TABLE=DAYS with TABLE one of {', '.join(TIME_COLUMN)} "
+                f"retention {item!r}: expected TABLE=DAYS with TABLE one of {', '.join([*TIME_COLUMN, *ROLLUPS])} "
                 "(the others have no time to expire by)"
             )
         if not days.strip().isdigit():
@@ -702,6 +821,19 @@ def _current_body(t: Table, engine: str, retention: dict[str, int]) -> str:
     return f"({', '.join(cols)}) ENGINE = {engine}{tail}"
 
 
+def _current_rollup_body(r: Rollup, engine: str, retention: dict[str, int]) -> str:
+    """Columns and engine clauses of rollup ``r`` for a current server: LowCardinality keys,
+    partitions by ``day`` and a TTL of ``retention[r.name]`` days (whole parts dropped)."""
+    src = TABLES[r.source]
+    cols = [_current_column(src, src.column(k)).split(" CODEC")[0] for k in r.keys] + ["day UInt32"]
+    cols += [f"{c} {t}" for c, _e, t in r.aggregates]
+    tail = f" PARTITION BY day ORDER BY ({', '.join(r.order_by)})"
+    days = retention.get(r.name, 0)
+    if days:
+        tail += f" TTL toDateTime(day * 86400) + INTERVAL {days} DAY SETTINGS ttl_only_drop_parts = 1"
+    return f"({', '.join(cols)}) ENGINE = {engine}{tail}"
+
+
 def render_current_server_ddl(
     database: str = "ranklens", retention: dict[str, int] | None = None, version: tuple[int, int] = CURRENT_SERVER
 ) -> str:
@@ -719,6 +851,8 @@ def render_current_server_ddl(
     for t in TABLES.values():
         out.append(f"-- {t.doc}")
         out.append(f"CREATE TABLE IF NOT EXISTS {database}.{t.name} {_current_body(t, t.engine, keep)};")
+    for r in ROLLUPS.values():
+        out += _rollup_ddl(database, r, _current_rollup_body(r, "AggregatingMergeTree()", keep))
     return "\n".join(out) + "\n"
 
 
@@ -740,7 +874,13 @@ def render_current_cluster_ddl(
         f"-- Generated by `ranklens schema --target cluster --server-version {version[0]}.{version[1]}`; "
         "do not edit by hand.",
     ]
-    return _cluster_ddl(database, cluster, header, lambda t, engine: _current_body(t, engine, keep))
+    return _cluster_ddl(
+        database,
+        cluster,
+        header,
+        lambda t, engine: _current_body(t, engine, keep),
+        lambda r, engine: _current_rollup_body(r, engine, keep),
+    )
 
 
 def render_ddl_for(

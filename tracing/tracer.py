@@ -223,6 +223,8 @@ class Tracer:
             by_table: dict[str, list[dict[str, Any]]] = {}
             for table, row in rows:
                 by_table.setdefault(table, []).append(row)
+            for row in by_table.get("collectives", ()):  # the node, here and not on the hot path (schema 11)
+                row["host"] = self._host
             error: OSError | None = None
             lost = 0
             for table, trows in by_table.items():

@@ -65,6 +65,7 @@ class Engine:
         self.R = layout.world_size
         self.grid = np.arange(self.R, dtype=np.int32).reshape(self.PP, self.DP, self.TP)
         self.node = np.arange(self.R) // layout.ranks_per_node
+        self._hosts: pa.Array | None = None
         self.rng = np.random.default_rng(seed)
         self.loss_rng = np.random.default_rng([seed, 1])
         self.t = np.zeros(self.R)
@@ -364,8 +365,18 @@ class Engine:
             "end_ns": pa.array(end),
             "clock": _const("cuda", n),
             "async_op": pa.array(np.zeros(n, np.uint8)),
+            "host": self._host_names().take(pa.array(self.node[rank].astype(np.int32, copy=False))),
         }
         return arrow_table(cols, schema=arrow_schema("collectives"))
+
+    def _host_names(self) -> pa.Array:
+        """Every node's host name, by node index (as the ``ranks`` table names them)."""
+        import pyarrow as pa
+
+        if self._hosts is None:
+            per_node = self.layout.ranks_per_node
+            self._hosts = pa.array([self.layout.host(n * per_node) for n in range(int(self.node[-1]) + 1)], pa.string())
+        return self._hosts
 
     def _phases(self, s0: int, s1: int) -> pa.Table:
         import pyarrow as pa

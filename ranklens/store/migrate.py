@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from ranklens.errors import ConfigError, SchemaVersionError, StoreError
-from ranklens.schema import META_TABLE, SCHEMA_VERSION, TABLES, Column
+from ranklens.schema import META_TABLE, ROLLUPS, SCHEMA_VERSION, TABLES, Column, Rollup
 from ranklens.store.api import sql_string
 
 __all__ = ["migrate"]
@@ -92,8 +92,15 @@ def _migrate_server(url: str) -> list[str]:
             store._execute(f"ALTER TABLE {db}.{name} {clause}")
             done.append(f"{db}.{name}: {clause}")
         missing = [t.name for t in TABLES.values() if t.name not in existing]
-        store.create_schema()  # new tables (IF NOT EXISTS); the meta row is written below
+        new_rollups = [r for r in ROLLUPS.values() if r.name not in existing]
+        store.create_schema(upgrading=True)  # new tables and rollups (IF NOT EXISTS); the meta row below
         done.extend(f"{db}.{n}: created" for n in missing)
+        for r in new_rollups:
+            # the rows stored before the rollup existed; rows inserted meanwhile are counted twice
+            # there, which the analyzers see (rows != ranks) and read the raw table for
+            n = int(store._execute(f"SELECT count() FROM {db}.{r.source}")[0][0])
+            store._execute(f"INSERT INTO {db}.{r.name} {r.select(_backfill_source(db, r))}")
+            done.append(f"{db}.{r.name}: created, filled from {n} rows of {r.source}")
         if found != SCHEMA_VERSION:
             store._execute(
                 f"INSERT INTO {db}.{META_TABLE} (key, value, updated_ns) VALUES",
@@ -103,6 +110,17 @@ def _migrate_server(url: str) -> list[str]:
         return done
     finally:
         store.close()
+
+
+def _backfill_source(db: str, r: Rollup) -> str:
+    """The rollup's source rows for a backfill: rows written before schema 11 name no host, the
+    ``ranks`` table does (the analyzers align clocks by it)."""
+    cols = [c.name for c in TABLES[r.source].columns if c.name != "host"]
+    return (
+        f"(SELECT {', '.join(cols)}, if(host = '', rank_host, host) AS host FROM {db}.{r.source} "
+        f"ANY LEFT JOIN (SELECT job_id, attempt, rank, any(host) AS rank_host FROM {db}.ranks "
+        "GROUP BY job_id, attempt, rank) USING (job_id, attempt, rank))"
+    )
 
 
 def _migrate_embedded(root: Path) -> list[str]:

@@ -284,8 +284,14 @@ class ServerStore:
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- schema -----------------------------------------------------------------------
-    def create_schema(self) -> None:
-        """Create the database and every table if missing; record the schema version."""
+    def create_schema(self, *, upgrading: bool = False) -> None:
+        """Create the database and every table if missing; record the schema version.
+
+        A store of another schema version is left as it is (its version check says how to migrate
+        it): this version's views read columns its tables may not have yet. ``upgrading``: the
+        migration, which has added them, creates what is missing."""
+        if not upgrading and self._stored_version() not in ("", str(SCHEMA_VERSION)):
+            return
         # the DDL for this server's version: 18.16 (the floor) as ever, a current one with day
         # partitions, TTL, codecs (ranklens.schema); tables that exist already keep theirs
         version = parse_server_version(str(self._execute("SELECT version()", database=False)[0][0]))
@@ -307,6 +313,19 @@ class ServerStore:
                 f"INSERT INTO {self.config.database}.{META_TABLE} (key, value, updated_ns) VALUES",
                 [("schema_version", str(SCHEMA_VERSION), time.time_ns())],
             )
+
+    def _stored_version(self) -> str:
+        """The schema version the store's meta table records; '' for a database without one."""
+        db = self.config.database
+        present = self._execute(
+            f"SELECT count() FROM system.tables WHERE database = '{db}' AND name = '{META_TABLE}'", database=False
+        )
+        if not int(present[0][0]):
+            return ""
+        rows = self._execute(
+            f"SELECT argMax(value, updated_ns) FROM {db}.{META_TABLE} WHERE key = 'schema_version'", database=False
+        )
+        return str(rows[0][0]) if rows else ""
 
     def _check_version(self) -> None:
         try:

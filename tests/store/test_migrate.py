@@ -28,7 +28,7 @@ def test_embedded_store_of_version_4_is_migrated_keeping_every_row(tmp_path):
     assert "ranklens schema --migrate" in str(ei.value)
     r = CliRunner().invoke(cli, ["schema", "--migrate", "--store", url])
     assert r.exit_code == 0, r.output
-    assert f"schema version 4 -> {SCHEMA_VERSION}" in r.output and "added ingest_id" in r.output
+    assert f"schema version 4 -> {SCHEMA_VERSION}" in r.output and "added host, ingest_id" in r.output
     store = open_store(url)
     rows = store.query("SELECT rank, seq, enter_ns, end_ns, ingest_id FROM collectives ORDER BY seq, rank").rows()
     assert len(rows) == 7 and rows[0] == (0, 0, 0, 9, 0) and rows[-1] == (0, 9, 100, 0, 0)
@@ -57,17 +57,26 @@ def test_server_store_of_version_4_is_migrated_keeping_every_row(server_db_url):
         [("old", r, "0", q, "all_reduce", 10 * q + r, 10 * q + 9) for r in range(2) for q in range(3)],
     )
     raw._execute(f"INSERT INTO {db}.gpu_samples (host, gpu_index, ts_ns, util_pct) VALUES", [("n1", 0, 5, 50.0)])
+    raw._execute(f"INSERT INTO {db}.ranks (job_id, rank, host) VALUES", [("old", 0, "n1")])
     raw.close()
     with pytest.raises(SchemaVersionError) as ei:
         open_store(server_db_url)
     assert "ranklens schema --migrate" in str(ei.value)
     done = migrate(server_db_url)
-    assert any("collectives: ADD COLUMN ingest_id UInt64 DEFAULT 0 AFTER async_op" in d for d in done), done
+    assert any("collectives: ADD COLUMN host String DEFAULT '' AFTER async_op" in d for d in done), done
+    assert any("collectives: ADD COLUMN ingest_id UInt64 DEFAULT 0 AFTER host" in d for d in done), done
+    assert any("collective_arrivals: created, filled from 6 rows of collectives" in d for d in done), done
     assert any("heartbeats: ADD COLUMN pid_ns Int64 DEFAULT 0 AFTER host" in d for d in done), done
     assert done[-1].endswith(f"schema version 4 -> {SCHEMA_VERSION}")
     store = open_store(server_db_url)
     got = store.query("SELECT count(), sum(end_ns), max(ingest_id) FROM collectives").rows()
     assert got == [(6, 2 * (0 + 10 + 20) + 6 * 9, 0)]
+    # the rollup holds the rows stored before it existed, each with its host from the ranks table
+    rolled = store.query(
+        "SELECT seq, host, countMerge(rows), maxMerge(last_enter_ns) FROM collective_arrivals "
+        "GROUP BY seq, host ORDER BY seq, host"
+    ).rows()
+    assert rolled == [(q, h, 1, 10 * q + r) for q in range(3) for h, r in (("", 1), ("n1", 0))], rolled
     (g,) = store.query("SELECT util_pct, retired_pages_sbe, pcie_tx_bytes_per_s FROM gpu_samples").rows()
     assert g[:2] == (50.0, -1) and math.isnan(g[2])
     # what this version writes fits the migrated tables

@@ -12,6 +12,7 @@ from ranklens.errors import ConfigError
 from ranklens.schema import (
     DEFAULT_RETENTION_DAYS,
     GRAFANA_TS,
+    ROLLUPS,
     TABLES,
     TIME_COLUMN,
     parse_retention,
@@ -103,6 +104,18 @@ def test_current_ddl_runs_on_chdb():
             assert time.strftime("%Y%m%d", time.gmtime(now_ns / 1e9)) in part, t.name
         create = str(s.query(f"SHOW CREATE TABLE {db}.collectives", "TSVRaw"))
         assert "`job_id` LowCardinality(String)" in create and "`seq` Int64 CODEC(Delta(8), ZSTD(1))" in create
+        # the rollup: filled by its view from the row inserted above, partitioned by day, kept 180 days
+        day = now_ns // 86_400_000_000_000
+        got = str(
+            s.query(
+                f"SELECT day, countMerge(rows), maxMerge(last_enter_ns), argMaxMerge(last_rank) "
+                f"FROM {db}.collective_arrivals GROUP BY day",
+                "TSV",
+            )
+        ).split()
+        assert got == [str(day), "1", str(now_ns), "0"], got
+        create = str(s.query(f"SHOW CREATE TABLE {db}.collective_arrivals", "TSVRaw"))
+        assert "AggregatingMergeTree" in create and "PARTITION BY day" in create and "toIntervalDay(180)" in create
     finally:
         s.query(f"DROP DATABASE IF EXISTS {db}")
         s.close()
@@ -169,7 +182,7 @@ def test_current_cluster_ddl_parses_and_its_local_tables_run_on_chdb():
         version = parse_server_version(str(s.query("SELECT version()", "CSV")).strip().strip('"'))
         ddl = render_cluster_ddl_for(db, "ranklens", version, {"collectives": 7})
         stmts = _statements(ddl)
-        assert len(stmts) == 2 + 2 * len(TABLES)
+        assert len(stmts) == 2 + 2 * len(TABLES) + 3 * len(ROLLUPS)  # a rollup: local table, view, Distributed
         for stmt in stmts:
             parsed = str(s.query(f"SELECT formatQuery({_literal(stmt)})", "TSVRaw"))
             assert parsed.startswith("CREATE"), (stmt, parsed)
@@ -188,6 +201,11 @@ def test_current_cluster_ddl_parses_and_its_local_tables_run_on_chdb():
         assert "`seq` Int64 CODEC(Delta(8), ZSTD(1))" in create and "`ts` DateTime64(9) MATERIALIZED" in create
         findings = str(s.query(f"SHOW CREATE TABLE {db}.findings_local", "TSVRaw"))
         assert "ReplacingMergeTree" in findings and "PARTITION BY" not in findings
+        # the view on the local ledger fills the local rollup (on a cluster: on the replica a row lands on)
+        cols = "job_id, rank, pg, seq, op, enter_ns, host"
+        s.query(f"INSERT INTO {db}.collectives_local ({cols}) VALUES ('j', 3, '0', 1, 'x', 5, 'h')")
+        got = str(s.query(f"SELECT host, countMerge(rows) FROM {db}.collective_arrivals_local GROUP BY host", "TSV"))
+        assert got.split() == ["h", "1"], got
     finally:
         s.query(f"DROP DATABASE IF EXISTS {db}")
         s.close()

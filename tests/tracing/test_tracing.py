@@ -194,6 +194,9 @@ def test_real_gloo_job_ledger(tmp_path, embedded_store):
     assert [r for _, r, _ in last] == [1, 1, 1] and all(ms >= 150 for *_, ms in last), last
     steps = q("SELECT rank, count() FROM steps GROUP BY rank ORDER BY rank").rows()
     assert steps == [(r, 3) for r in range(world)]
+    # every ledger row names its rank's node, as the ranks table does (the rollup aligns clocks by it)
+    hosts = q("SELECT DISTINCT c.host = r.host, c.host != '' FROM collectives AS c JOIN ranks AS r USING (rank)").rows()
+    assert hosts == [(True, True)], hosts
 
 
 def test_phase_as_decorator_applied_before_init(tmp_path):
