@@ -9,6 +9,7 @@ presentation lives elsewhere.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from ranklens.analyzers.ranks import rank_hosts
 from ranklens.analyzers.windows import Windows, collective_windows
-from ranklens.store.api import Store
+from ranklens.store.api import Store, sql_string
 from ranklens.store.api import sql_escape as _esc
 
 __all__ = [
@@ -25,15 +26,20 @@ __all__ = [
     "BlameMatrix",
     "blame_cells",
     "blame_offsets",
+    "blame_source",
     "blame_sql",
     "collective_blame_sql",
     "compute_blame",
     "latest_job",
     "member_wait_sql",
+    "rollup_collective_blame_sql",
+    "run_blame",
     "step_times_sql",
     "union_length",
     "union_lengths",
 ]
+
+log = logging.getLogger("ranklens.analyzers")
 
 P2P_MARK = "/p2p:"  # the tracer's point-to-point "pg": "<group>/p2p:<src>-><dst>"
 
@@ -81,16 +87,80 @@ def collective_blame_sql(
     10,000 ranks; ``offsets`` (rank -> host clock offset, :func:`blame_offsets`) align the clocks.
     The analyzer (:func:`blame_sql`) and the dashboards aggregate these rows."""
     enter = _aligned(offsets)
+    # at equal arrivals the lowest rank is the last arriver (as the rollup decides: the same answer
+    # however the rows are read; argMax alone kept whichever row came first)
+    last = f"({enter}, toInt64(-rank))"
     return f"""
 SELECT pg, seq,
-       argMax(rank, {enter}) AS last_rank,
-       argMax(step, {enter}) AS c_step,
+       argMax(rank, {last}) AS last_rank,
+       argMax(step, {last}) AS c_step,
        min(enter_ns) AS first_enter_ns,
        count() AS members,
        toFloat64(max({enter}) - {int(t0_ns)}) AS last_enter,
        (last_enter * count() - sum(toFloat64({enter} - {int(t0_ns)}))) / (members - 1) AS delay_ns
 FROM collectives
 WHERE {_blame_where(job_id, attempt, step_from, step_to, stepless)}
+GROUP BY pg, seq
+HAVING members >= 2
+""".strip()
+
+
+def _host_aligned(host_offsets: dict[str, int] | None) -> str:
+    """The rollup rows' host clock offset (see :func:`_aligned`)."""
+    if not host_offsets:
+        return "toInt64(0)"
+    ks = ", ".join(sql_string(h) for h in host_offsets)
+    vs = ", ".join(f"toInt64({int(v)})" for v in host_offsets.values())
+    return f"transform(host, [{ks}], [{vs}], toInt64(0))"
+
+
+def _rollup_per_host(where: str, host_offsets: dict[str, int] | None) -> str:
+    """The rollup merged per ``(pg, seq, step, host)`` (over its insert blocks and days)."""
+    return f"""SELECT pg, seq, step, host, {_host_aligned(host_offsets)} AS h_off,
+           toInt64(countMerge(rows)) AS h_rows, toInt64(uniqExactMerge(ranks)) AS h_ranks,
+           minMerge(first_enter_ns) AS h_first, maxMerge(last_enter_ns) AS h_last,
+           argMaxMerge(last_rank) AS h_last_rank,
+           sumMerge(enter_s_sum) AS h_s, sumMerge(enter_rest_ns_sum) AS h_rest
+    FROM {ARRIVALS}
+    WHERE {where}
+    GROUP BY pg, seq, step, host"""
+
+
+def rollup_collective_blame_sql(
+    job_id: str,
+    attempt: int,
+    t0_ns: int,
+    host_offsets: dict[str, int] | None = None,
+    *,
+    step_from: int | None = None,
+    step_to: int | None = None,
+    stepless: bool = False,
+) -> str:
+    """:func:`collective_blame_sql` from the ``collective_arrivals`` rollup (one row per collective,
+    step and host instead of one per rank; ``host_offsets``: host -> clock offset), plus
+    ``duplicates``: rows the rollup saw more than once (a batch the collector discarded in part and
+    sent again): where it is not 0 the sums are off and the raw ledger must answer instead.
+
+    Per host the last arrival, its rank, the count and the sum of arrivals; the host's offset
+    shifts its last arrival and its sum alike, so the collective's last arriver and the mean wait
+    of the others are the raw query's."""
+    t0 = int(t0_ns)
+    t0_s, t0_rest = divmod(t0, 1_000_000_000)
+    where = _blame_where(job_id, attempt, step_from, step_to, stepless)
+    per_host = "\n".join("    " + line for line in _rollup_per_host(where, host_offsets).splitlines())
+    return f"""
+SELECT pg, seq,
+       argMax(h_last_rank, (h_last - h_off, toInt64(-h_last_rank))) AS last_rank,
+       argMax(step, (h_last - h_off, toInt64(-h_last_rank))) AS c_step,
+       min(h_first) AS first_enter_ns,
+       sum(h_rows) AS members,
+       toFloat64(max(h_last - h_off) - {t0}) AS last_enter,
+       (last_enter * members - sum(toFloat64(h_s - h_rows * {t0_s}) * 1e9
+            + toFloat64(h_rest - h_rows * {t0_rest}) - toFloat64(h_rows * h_off))) / (members - 1) AS delay_ns,
+       sum(h_rows) - sum(h_ranks) AS duplicates
+FROM (
+{per_host}
+)
 GROUP BY pg, seq
 HAVING members >= 2
 """.strip()
@@ -103,21 +173,36 @@ def member_wait_sql(
     *,
     step_from: int | None = None,
     step_to: int | None = None,
+    rollup_host_offsets: dict[str, int] | None = None,
 ) -> str:
     """The other side of blame, one row per ``(rank, step)``: ``wait_ns``, how long the rank waited
     in the collectives of :func:`collective_blame_sql` for their last arriver (aligned clocks, p2p
-    left out), and ``collectives``, how many."""
+    left out), and ``collectives``, how many. With ``rollup_host_offsets`` (host -> clock offset,
+    maybe empty; :func:`blame_source` says when) each collective's last arrival comes from the
+    ``collective_arrivals`` rollup: one scan of the raw ledger instead of two. A maximum and a
+    count of distinct ranks are the same however often the rollup saw a row, so no duplicates
+    check is needed here."""
     enter = _aligned(offsets)
     w = _blame_where(job_id, attempt, step_from, step_to, False)
+    if rollup_host_offsets is None:
+        last = f"""    SELECT pg, seq, max({enter}) AS last_enter, count() AS members
+    FROM collectives WHERE {w}
+    GROUP BY pg, seq
+    HAVING members >= 2"""
+    else:
+        per_host = "\n".join("    " + line for line in _rollup_per_host(w, rollup_host_offsets).splitlines())
+        last = f"""    SELECT pg, seq, max(h_last - h_off) AS last_enter, sum(h_ranks) AS members
+    FROM (
+{per_host}
+    )
+    GROUP BY pg, seq
+    HAVING members >= 2"""
     return f"""
 SELECT rank, step, sum(toFloat64(last_enter - own_enter)) AS wait_ns, count() AS collectives
 FROM (SELECT rank, step, pg, seq, {enter} AS own_enter FROM collectives WHERE {w}) AS lhs
 ALL INNER JOIN
 (
-    SELECT pg, seq, max({enter}) AS last_enter, count() AS members
-    FROM collectives WHERE {w}
-    GROUP BY pg, seq
-    HAVING members >= 2
+{last}
 ) AS rhs
 USING (pg, seq)
 GROUP BY rank, step
@@ -143,23 +228,34 @@ def blame_sql(
     *,
     step_from: int | None = None,
     step_to: int | None = None,
+    rollup_host_offsets: dict[str, int] | None = None,
 ) -> str:
     """Per (last arriver, step): the collectives it was last at (:func:`collective_blame_sql`), each
     with its last arrival and the mean wait of the other members (only steps ``step_from..step_to``
     when given). With ``windows`` (a job whose collectives carry no step) the collectives without a
-    step are taken and "step" is the window (iteration) of the collective's first arrival."""
+    step are taken and "step" is the window (iteration) of the collective's first arrival.
+    With ``rollup_host_offsets`` (host -> clock offset, maybe empty): from the rollup
+    (:func:`rollup_collective_blame_sql`), with a ``duplicates`` column (see :func:`run_blame`)."""
     at_step = "c_step" if windows is None else windows.window_of_sql("first_enter_ns")
-    per_collective = collective_blame_sql(
-        job_id, attempt, t0_ns, offsets, step_from=step_from, step_to=step_to, stepless=windows is not None
-    )
+    stepless = windows is not None
+    if rollup_host_offsets is None:
+        per_collective = collective_blame_sql(
+            job_id, attempt, t0_ns, offsets, step_from=step_from, step_to=step_to, stepless=stepless
+        )
+        dups, dup_col = "", ""
+    else:
+        per_collective = rollup_collective_blame_sql(
+            job_id, attempt, t0_ns, rollup_host_offsets, step_from=step_from, step_to=step_to, stepless=stepless
+        )
+        dups, dup_col = ",\n       sum(duplicates) AS duplicates", ", duplicates"
     inner = "\n".join("        " + line for line in per_collective.splitlines())
     return f"""
 SELECT last_rank, at_step, count() AS collectives,
        groupArray(last_enter) AS last_enters, groupArray(delay_ns) AS delays, avg(members) AS avg_members,
-       max(first_enter_ns) AS newest_first_ns
+       max(first_enter_ns) AS newest_first_ns{dups}
 FROM
 (
-    SELECT last_rank, {at_step} AS at_step, members, last_enter, delay_ns, first_enter_ns
+    SELECT last_rank, {at_step} AS at_step, members, last_enter, delay_ns, first_enter_ns{dup_col}
     FROM
     (
 {inner}
@@ -168,6 +264,71 @@ FROM
 GROUP BY last_rank, at_step
 ORDER BY at_step, last_rank
 """.strip()
+
+
+ARRIVALS = "collective_arrivals"  # the rollup (ranklens.schema.ROLLUPS) blame reads when a store has it
+
+
+def blame_source(store: Store, job_id: str, attempt: int, offsets: dict[int, int] | None) -> dict[str, int] | None:
+    """Where blame reads a job's arrivals: None for the raw ledger; the rollup otherwise, with the
+    host clock offsets that ``offsets`` (rank -> offset) come from (empty: none needed).
+
+    The rollup serves when the store has it (servers; the embedded store keeps none), it holds the
+    job, and, where clocks need aligning, every row of it names its host (rows written before
+    schema 11 do not: their host's offset is unknown there)."""
+    import os
+
+    from ranklens.config import ENV_ROLLUPS
+
+    if os.environ.get(ENV_ROLLUPS, "1").strip() == "0":
+        return None
+    present = store.query(
+        f"SELECT count() FROM system.tables WHERE database = currentDatabase() AND name = '{ARRIVALS}'"
+    ).scalar()
+    if not int(present or 0):
+        return None
+    rows, hostless = store.query(
+        f"SELECT count(), countIf(host = '') FROM {ARRIVALS} "
+        f"WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+    ).rows()[0]
+    if not int(rows or 0) or (offsets and int(hostless or 0)):
+        return None
+    if not offsets:
+        return {}
+    hosts = rank_hosts(store, job_id, attempt)
+    return {h: int(offsets[r]) for r, h in hosts.items() if r in offsets}
+
+
+def run_blame(
+    store: Store,
+    job_id: str,
+    attempt: int,
+    t0_ns: int,
+    only_ranks: list[int] | None = None,
+    offsets: dict[int, int] | None = None,
+    windows: Windows | None = None,
+    *,
+    step_from: int | None = None,
+    step_to: int | None = None,
+) -> tuple[Any, str]:
+    """Run :func:`blame_sql` where :func:`blame_source` says: ``(result, sql)``. A rollup that saw
+    some rows twice (``duplicates``: a batch sent again after a partial store) cannot sum them:
+    the raw ledger answers instead, with the same columns."""
+    source = blame_source(store, job_id, attempt, offsets)
+    kw: dict[str, Any] = {"step_from": step_from, "step_to": step_to}
+    if source is not None:
+        sql = blame_sql(job_id, attempt, t0_ns, only_ranks, offsets, windows, rollup_host_offsets=source, **kw)
+        result = store.query(sql)
+        if result.num_rows == 0 or not int(np.sum(result.column("duplicates"))):
+            return result, sql
+        log.info(
+            "ranklens: the %s rollup of job %s saw rows twice (a batch resent after a partial store): "
+            "blame reads the raw ledger",
+            ARRIVALS,
+            job_id,
+        )
+    sql = blame_sql(job_id, attempt, t0_ns, only_ranks, offsets, windows, **kw)
+    return store.query(sql), sql
 
 
 def _only(ranks: list[int] | None) -> str:
@@ -262,8 +423,7 @@ def compute_blame(
     windows = None if int(with_step or 0) > 0 else collective_windows(store, job_id, attempt)
     if windows is not None and windows.empty:
         windows = None
-    sql = blame_sql(job_id, attempt, int(t0 or 0), only_ranks, offsets, windows)
-    b = store.query(sql)
+    b, sql = run_blame(store, job_id, attempt, int(t0 or 0), only_ranks, offsets, windows)
     hosts = rank_hosts(store, job_id, attempt)
     if windows is not None:
         steps = np.arange(len(windows.starts_ns), dtype=np.int64)
@@ -398,6 +558,6 @@ def blame_cells(
             or 0
         )
     offsets = blame_offsets(store, job_id, attempt) if align else None
-    sql = blame_sql(job_id, attempt, int(t0_ns), offsets=offsets, step_from=step_from, step_to=step_to)
-    last, step, n, d, w = _cell_values(store.query(sql))
+    result, sql = run_blame(store, job_id, attempt, int(t0_ns), offsets=offsets, step_from=step_from, step_to=step_to)
+    last, step, n, d, w = _cell_values(result)
     return BlameCells(ranks=last, steps=step, collectives=n, delay_s=d, wait_s=w, sql=sql)

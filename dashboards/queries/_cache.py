@@ -17,7 +17,7 @@ from typing import Any
 
 # _cell_values: the analyzer's own decoding of blame_sql's rows (overlapping waits counted once),
 # called, not copied
-from ranklens.analyzers.blame import BlameCells, _cell_values, blame_offsets, blame_sql
+from ranklens.analyzers.blame import BlameCells, _cell_values, blame_offsets, run_blame
 from ranklens.dashboards.queries._sql import TTL_S, job_where
 from ranklens.store.api import Store
 
@@ -81,12 +81,13 @@ def job_blame_cells(
     store: Store, job_id: str, attempt: int, step_from: int, step_to: int, t0_ns: int | None
 ) -> BlameCells:
     """:func:`~ranklens.analyzers.blame.blame_cells` (aligned clocks) with the job's offsets from
-    :func:`job_offsets`: the analyzer's SQL and cell values, the offsets scan done once."""
+    :func:`job_offsets`: the analyzer's SQL (from the rollup where the store has one) and cell
+    values, the offsets scan done once."""
     if not t0_ns:
         t0_ns = int(
             store.query(f"SELECT min(enter_ns) FROM collectives WHERE {job_where(job_id, attempt)}").scalar() or 0
         )
     offsets = job_offsets(store, job_id, attempt)
-    sql = blame_sql(job_id, attempt, int(t0_ns), offsets=offsets, step_from=step_from, step_to=step_to)
-    last, step, n, d, w = _cell_values(store.query(sql))
+    result, sql = run_blame(store, job_id, attempt, int(t0_ns), offsets=offsets, step_from=step_from, step_to=step_to)
+    last, step, n, d, w = _cell_values(result)
     return BlameCells(ranks=last, steps=step, collectives=n, delay_s=d, wait_s=w, sql=sql)

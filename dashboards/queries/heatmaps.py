@@ -10,7 +10,7 @@ import math
 
 import pandas as pd
 
-from ranklens.analyzers.blame import member_wait_sql
+from ranklens.analyzers.blame import blame_source, member_wait_sql
 from ranklens.analyzers.compute import compute_sql
 from ranklens.dashboards.queries._cache import job_blame_cells, job_offsets
 from ranklens.dashboards.queries._sql import MAX_CELLS, RANK_DETAIL_MAX, esc, frame, job_where, steps_where
@@ -51,7 +51,15 @@ def _metric_source(
         return f"SELECT rank AS r, step AS s, toFloat64(dur_ns - least(wait_ns, dur_ns)) / 1e9 AS v FROM ({src})"
     if metric != "wait":  # blame is aggregated in Python: _blame_heatmap
         raise ValueError(f"unknown heat-map metric {metric!r}; one of {', '.join(HEAT_METRICS)}")
-    src = member_wait_sql(job_id, attempt, job_offsets(store, job_id, attempt), step_from=step_from, step_to=step_to)
+    offsets = job_offsets(store, job_id, attempt)
+    src = member_wait_sql(
+        job_id,
+        attempt,
+        offsets,
+        step_from=step_from,
+        step_to=step_to,
+        rollup_host_offsets=blame_source(store, job_id, attempt, offsets),
+    )
     return f"SELECT rank AS r, step AS s, wait_ns / 1e9 AS v FROM ({src})"
 
 

@@ -408,3 +408,34 @@ def test_analyze_through_the_distributed_tables_finds_what_one_server_finds(clus
     assert found["cluster"], "the slowed rank should be found"
     assert any(21 in f[2] for f in found["cluster"]), found["cluster"]
     assert found["cluster"] == found["server"]
+
+
+def test_the_rollup_on_the_cluster_is_filled_on_every_shard_and_blame_reads_it(cluster, store, monkeypatch):
+    """The view on each shard's local ledger fills the shard's local rollup; through the Distributed
+    rollup, blame gives what the raw ledger gives (a collective's members on one shard: its rollup
+    rows there too), and both replicas of a shard hold its rows."""
+    import numpy as np
+
+    from ranklens.analyzers.blame import compute_blame
+    from ranklens.simulate import simulate
+
+    job = "c-rollup"
+    simulate(store, ranks=32, steps=10, faults=["slow_gpu:9:1.5@3", "clock_skew:node0002:30"], job_id=job, seed=5)
+    rolled = compute_blame(store, job)
+    monkeypatch.setenv("RANKLENS_ROLLUPS", "0")
+    raw = compute_blame(store, job)
+    assert "collective_arrivals" in rolled.sql and "collective_arrivals" not in raw.sql
+    assert np.array_equal(rolled.last_count, raw.last_count)
+    assert np.allclose(rolled.delay_s, raw.delay_s, rtol=1e-9, atol=1e-9)
+    per_node = {}
+    for n in (1, 2, 3, 4):
+        c = _client(cluster, n)
+        c.execute("SYSTEM SYNC REPLICA " + f"{CLUSTER_DB}.collective_arrivals_local")
+        per_node[n] = c.execute(
+            f"SELECT sum(n) FROM (SELECT countMerge(rows) AS n FROM {CLUSTER_DB}.collective_arrivals_local "
+            f"WHERE job_id = '{job}' GROUP BY pg, seq, step, host)"
+        )[0][0]
+        c.disconnect()
+    total = store.query(f"SELECT count() FROM collectives WHERE job_id = '{job}'").scalar()
+    assert per_node[1] == per_node[2] and per_node[3] == per_node[4], per_node  # replicas alike
+    assert per_node[1] > 0 and per_node[3] > 0 and per_node[1] + per_node[3] == total, (per_node, total)
