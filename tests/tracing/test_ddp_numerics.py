@@ -5,12 +5,15 @@ of the same run untraced (``RANKLENS_DISABLE=1``), to float32 rounding."""
 from __future__ import annotations
 
 import os
+import sys
 import textwrap
 
 import pytest
 import torch
 
 from tests._jobs import TORCHRUN, ranklens_run
+
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
 
 SCRIPT = textwrap.dedent(
     """
@@ -33,6 +36,7 @@ SCRIPT = textwrap.dedent(
     if rank == 0:
         torch.save({"params": [p.detach() for p in model.parameters()],
                     "hooked": bool(getattr(model, "_ranklens_user_hook", False))}, sys.argv[1])
+    dist.barrier()  # rank 1 does not tear gloo down while rank 0 still saves
     dist.destroy_process_group()
     """
 )
@@ -51,6 +55,11 @@ def test_a_traced_ddp_job_trains_to_the_same_parameters_as_untraced(tmp_path):
         out = tmp_path / f"{mode}.pt"
         cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", str(tmp_path / "train.py"), str(out)]
         proc = ranklens_run(f"embedded://{tmp_path}/store", tmp_path / f"spool-{mode}", cmd, timeout=240, env=env)
+        if proc.returncode != 0 and GLOO_TEARDOWN_ABORT in proc.stderr:
+            # torch's gloo aborted a rank in its teardown (a fresh-clone CI run, with tracing OFF):
+            # not what this test is about; once more, and a second time fails
+            print(f"{mode}: a rank aborted in gloo's teardown; running the job again", file=sys.stderr)
+            proc = ranklens_run(f"embedded://{tmp_path}/store", tmp_path / f"spool-{mode}", cmd, timeout=240, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         got[mode] = torch.load(out)
     assert got["on"]["hooked"] and not got["off"]["hooked"]  # the traced run really went through the hook
