@@ -273,26 +273,36 @@ def blame_source(store: Store, job_id: str, attempt: int, offsets: dict[int, int
     """Where blame reads a job's arrivals: None for the raw ledger; the rollup otherwise, with the
     host clock offsets that ``offsets`` (rank -> offset) come from (empty: none needed).
 
-    The rollup serves when the store has it (servers; the embedded store keeps none), it holds the
-    job, and, where clocks need aligning, every row of it names its host (rows written before
-    schema 11 do not: their host's offset is unknown there)."""
+    By default the rollup serves a job whose raw rows are (partly) gone, expired by the ledger's
+    shorter retention (14 days against the rollup's 180 on a current server): it holds more of the
+    job's arrivals than the raw ledger does. While the raw ledger holds the job it answers: on
+    18.16 merging the rollup's states cost as much as grouping the raw rows they stand for
+    (bench/rollup_bench.py, docs/cluster.md). ``RANKLENS_ROLLUPS=1`` reads the rollup wherever it
+    serves, ``0`` never. It serves when the store has it (servers; the embedded store keeps none),
+    it holds the job, and, where clocks need aligning, every row of it names its host (rows
+    written before schema 11 do not: their host's offset is unknown there)."""
     import os
 
     from ranklens.config import ENV_ROLLUPS
 
-    if os.environ.get(ENV_ROLLUPS, "1").strip() == "0":
+    mode = os.environ.get(ENV_ROLLUPS, "").strip()
+    if mode == "0":
         return None
     present = store.query(
         f"SELECT count() FROM system.tables WHERE database = currentDatabase() AND name = '{ARRIVALS}'"
     ).scalar()
     if not int(present or 0):
         return None
-    rows, hostless = store.query(
-        f"SELECT count(), countIf(host = '') FROM {ARRIVALS} "
-        f"WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+    where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+    rows, hostless, arrivals = store.query(
+        f"SELECT count(), countIf(host = ''), countMerge(rows) FROM {ARRIVALS} WHERE {where}"
     ).rows()[0]
     if not int(rows or 0) or (offsets and int(hostless or 0)):
         return None
+    if mode != "1":
+        raw = int(store.query(f"SELECT count() FROM collectives WHERE {where}").scalar() or 0)
+        if raw >= int(arrivals or 0):
+            return None  # the raw ledger holds every arrival the rollup has
     if not offsets:
         return {}
     hosts = rank_hosts(store, job_id, attempt)
@@ -316,6 +326,14 @@ def run_blame(
     the raw ledger answers instead, with the same columns."""
     source = blame_source(store, job_id, attempt, offsets)
     kw: dict[str, Any] = {"step_from": step_from, "step_to": step_to}
+    if source is not None and not t0_ns:  # the raw ledger is gone: the job's first arrival from the rollup
+        t0_ns = int(
+            store.query(
+                f"SELECT minMerge(first_enter_ns) FROM {ARRIVALS} "
+                f"WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+            ).scalar()
+            or 0
+        )
     if source is not None:
         sql = blame_sql(job_id, attempt, t0_ns, only_ranks, offsets, windows, rollup_host_offsets=source, **kw)
         result = store.query(sql)

@@ -57,7 +57,7 @@ __all__ = [
 # the store (every command, the dashboard)
 ENV_STORE = "RANKLENS_STORE"  # store URL; default ./ranklens-store (embedded)
 ENV_STORE_PASSWORD = "RANKLENS_STORE_PASSWORD"  # the server store's password, never in a URL
-ENV_ROLLUPS = "RANKLENS_ROLLUPS"  # 0: analyzers read the raw ledger where a server has rollups (checks, benchmarks)
+ENV_ROLLUPS = "RANKLENS_ROLLUPS"  # 1: blame reads a server's rollup wherever it can, 0: never (default: expired jobs)
 
 # tracing, inside each rank
 ENV_SPOOL = "RANKLENS_SPOOL"  # spool root the ranks write and the collector ships

@@ -71,18 +71,14 @@ def test_resolved_when_the_behaviour_stopped(store):
     assert f.state == "resolved" and f.last_seen_step == 12
 
 
-def test_same_answer_on_chdb_and_server(tmp_path, server_db_url, monkeypatch):
+def test_same_answer_on_chdb_and_server(tmp_path, server_db_url):
     rows = synthetic_job(ranks=8, steps=25, slow_rank=5, slow_from=7, seed=3)
     emb = open_store(f"embedded://{tmp_path}/s")
     srv = open_store(server_db_url)
     _load(emb, rows)
     _load(srv, rows)
     a, b = compute_blame(emb, "job-synth"), compute_blame(srv, "job-synth")
-    # the server reads its rollup (tests/analyzers/test_rollups.py); without it, the same SQL as chDB
-    assert "collective_arrivals" in b.sql and "collective_arrivals" not in a.sql
-    monkeypatch.setenv("RANKLENS_ROLLUPS", "0")
-    assert compute_blame(srv, "job-synth").sql == a.sql
-    monkeypatch.delenv("RANKLENS_ROLLUPS")
+    assert a.sql == b.sql  # the raw ledger on both (the server's rollup: tests/analyzers/test_rollups.py)
     np.testing.assert_array_equal(a.ranks, b.ranks)
     np.testing.assert_array_equal(a.steps, b.steps)
     np.testing.assert_allclose(a.delay_s, b.delay_s, rtol=1e-9, atol=1e-12)

@@ -1,8 +1,9 @@
 """The ``collective_arrivals`` rollup (issue 19): a materialised view on a real ClickHouse server
-fills it as collectives are inserted, and blame reads it where it serves, with the raw ledger's
-results: the same last arrivers, waits and findings, the clocks aligned by host. Where it cannot
-serve (rows it saw twice after a batch was resent, rows that name no host while clocks need
-aligning, a store without it) the raw ledger answers."""
+fills it as collectives are inserted. Blame reads it once the job's raw rows are gone (expired), and
+wherever it serves with RANKLENS_ROLLUPS=1, with the raw ledger's results: the same last arrivers,
+waits and findings, the clocks aligned by host. Where it cannot serve (rows it saw twice after a
+batch was resent, rows that name no host while clocks need aligning, a store without it) the raw
+ledger answers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from ranklens.analyzers.blame import blame_offsets, blame_source, compute_blame, run_blame
 from ranklens.analyzers.job import analyze_job
 from ranklens.simulate import simulate
+from tests._sync import wait_until
 
 JOB = "roll-1"
 # 64 ranks on 8 hosts; rank 17 slow from step 10; two hosts' clocks off by +40 ms and -25 ms
@@ -19,11 +21,11 @@ FAULTS = ["slow_gpu:17:1.3@10", "clock_skew:node0003:40", "clock_skew:node0001:-
 
 
 def _both(monkeypatch, fn):
-    """``fn()`` with the rollup, then with the raw ledger (RANKLENS_ROLLUPS=0)."""
+    """``fn()`` with the rollup (RANKLENS_ROLLUPS=1), then as by default (the raw ledger holds the job)."""
+    monkeypatch.setenv("RANKLENS_ROLLUPS", "1")
     with_rollup = fn()
-    monkeypatch.setenv("RANKLENS_ROLLUPS", "0")
-    raw = fn()
     monkeypatch.delenv("RANKLENS_ROLLUPS")
+    raw = fn()
     return with_rollup, raw
 
 
@@ -45,7 +47,10 @@ def test_the_rollup_is_filled_on_insert_and_blame_from_it_is_the_raw_ledgers(ser
     ).rows()[0]
     assert rolled[1] == raw_rows and rolled[0] < raw_rows  # every row once, fewer rows (one per host)
     offsets = blame_offsets(server_store, JOB, 0)
+    assert blame_source(server_store, JOB, 0, offsets) is None  # by default: the raw ledger holds it all
+    monkeypatch.setenv("RANKLENS_ROLLUPS", "1")
     source = blame_source(server_store, JOB, 0, offsets)
+    monkeypatch.delenv("RANKLENS_ROLLUPS")
     assert offsets and source is not None
     assert abs(source["node0003"] - source["node0000"] - 40_000_000) < 1_000_000, source  # by host
     a, b = _both(monkeypatch, lambda: compute_blame(server_store, JOB))
@@ -77,6 +82,7 @@ def test_the_dashboards_wait_heat_map_reads_the_rollup_with_the_same_values(serv
 def test_rows_the_rollup_saw_twice_send_blame_to_the_raw_ledger(server_store, monkeypatch):
     """A batch stored in part, discarded and sent again (the collector's exactly-once path): the raw
     table holds every row once, the view saw the first part twice. Blame must not sum it twice."""
+    monkeypatch.setenv("RANKLENS_ROLLUPS", "1")
     simulate(server_store, ranks=16, steps=8, faults=["slow_gpu:5:1.5@2"], job_id=JOB, seed=2)
     good = compute_blame(server_store, JOB)
     assert "collective_arrivals" in good.sql
@@ -97,9 +103,10 @@ def test_rows_the_rollup_saw_twice_send_blame_to_the_raw_ledger(server_store, mo
 
 
 @pytest.mark.server
-def test_rows_without_a_host_are_not_aligned_by_the_rollup(server_store):
+def test_rows_without_a_host_are_not_aligned_by_the_rollup(server_store, monkeypatch):
     """Rows written before schema 11 name no host: with clocks to align, blame reads the raw ledger
     (which aligns each rank by the ranks table); without, the rollup still serves."""
+    monkeypatch.setenv("RANKLENS_ROLLUPS", "1")
     simulate(server_store, ranks=16, steps=6, faults=["clock_skew:node0001:30"], job_id=JOB, seed=4)
     rows = server_store.query(f"SELECT * FROM collectives WHERE job_id = '{JOB}' AND rank = 0").to_pylist()
     server_store.write("collectives", [dict(r, job_id="roll-nohost", host="") for r in rows[:4]])
@@ -108,6 +115,24 @@ def test_rows_without_a_host_are_not_aligned_by_the_rollup(server_store):
     assert blame_source(server_store, "roll-nohost", 0, {0: 5}) is None
     assert blame_source(server_store, "roll-nohost", 0, None) == {}
     assert blame_source(server_store, "no-such-job", 0, None) is None  # nothing of it in the rollup
+
+
+@pytest.mark.server
+def test_blame_outlives_the_raw_ledger(server_store):
+    """The raw ledger expires first (14 days against the rollup's 180 on a current server; here its
+    rows are deleted, as a TTL drops them): blame of the job then comes from the rollup, by default,
+    and still names the slowed rank with the waits it caused."""
+    simulate(server_store, ranks=32, steps=12, faults=["slow_gpu:9:1.5@3"], job_id=JOB, seed=6)
+    before = compute_blame(server_store, JOB, align=False)
+    assert "collective_arrivals" not in before.sql
+    server_store._execute(f"ALTER TABLE {server_store.config.database}.collectives DELETE WHERE job_id = '{JOB}'")
+    wait_until(lambda: not server_store.query("SELECT count() FROM collectives").scalar(), 30, "the rows deleted")
+    after = compute_blame(server_store, JOB, align=False)
+    assert "collective_arrivals" in after.sql
+    assert np.array_equal(after.last_count, before.last_count)
+    assert np.allclose(after.delay_s, before.delay_s, rtol=1e-6, atol=1e-9)
+    worst = int(after.ranks[np.argmax(after.delay_s.sum(axis=1))])
+    assert worst == 9, after.delay_s.sum(axis=1)
 
 
 def test_the_embedded_store_has_no_rollup_and_blame_reads_the_raw_ledger(embedded_store):

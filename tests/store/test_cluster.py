@@ -421,6 +421,7 @@ def test_the_rollup_on_the_cluster_is_filled_on_every_shard_and_blame_reads_it(c
 
     job = "c-rollup"
     simulate(store, ranks=32, steps=10, faults=["slow_gpu:9:1.5@3", "clock_skew:node0002:30"], job_id=job, seed=5)
+    monkeypatch.setenv("RANKLENS_ROLLUPS", "1")  # the rollup wherever it serves (by default: once the raw is gone)
     rolled = compute_blame(store, job)
     monkeypatch.setenv("RANKLENS_ROLLUPS", "0")
     raw = compute_blame(store, job)
