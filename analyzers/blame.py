@@ -33,6 +33,7 @@ __all__ = [
     "latest_job",
     "member_wait_sql",
     "rollup_collective_blame_sql",
+    "rollup_present",
     "run_blame",
     "step_times_sql",
     "union_length",
@@ -269,6 +270,21 @@ ORDER BY at_step, last_rank
 ARRIVALS = "collective_arrivals"  # the rollup (ranklens.schema.ROLLUPS) blame reads when a store has it
 
 
+def rollup_present(store: Store, name: str) -> bool:
+    """Whether the store has the rollup ``name`` (:data:`ranklens.schema.ROLLUPS`: servers of
+    schema 11 on; never the embedded store) and may read it (not ``RANKLENS_ROLLUPS=0``)."""
+    import os
+
+    from ranklens.config import ENV_ROLLUPS
+
+    if os.environ.get(ENV_ROLLUPS, "").strip() == "0":
+        return False
+    present = store.query(
+        f"SELECT count() FROM system.tables WHERE database = currentDatabase() AND name = {sql_string(name)}"
+    ).scalar()
+    return bool(int(present or 0))
+
+
 def blame_source(store: Store, job_id: str, attempt: int, offsets: dict[int, int] | None) -> dict[str, int] | None:
     """Where blame reads a job's arrivals: None for the raw ledger; the rollup otherwise, with the
     host clock offsets that ``offsets`` (rank -> offset) come from (empty: none needed).
@@ -286,12 +302,7 @@ def blame_source(store: Store, job_id: str, attempt: int, offsets: dict[int, int
     from ranklens.config import ENV_ROLLUPS
 
     mode = os.environ.get(ENV_ROLLUPS, "").strip()
-    if mode == "0":
-        return None
-    present = store.query(
-        f"SELECT count() FROM system.tables WHERE database = currentDatabase() AND name = '{ARRIVALS}'"
-    ).scalar()
-    if not int(present or 0):
+    if not rollup_present(store, ARRIVALS):
         return None
     where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
     rows, hostless, arrivals = store.query(

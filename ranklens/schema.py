@@ -584,6 +584,20 @@ ROLLUPS: dict[str, Rollup] = {
         "per collective, step and host: arrivals (first, last, last arriver, sum, count); blame reads it",
         "cityHash64(job_id, pg, seq)",
     ),
+    # the ledger's extent per rank and step: a jobs list without a scan of every collective
+    "rank_steps": Rollup(
+        "rank_steps",
+        "collectives",
+        ("job_id", "attempt", "rank", "step"),
+        (
+            ("rows", "countState()", "AggregateFunction(count)"),
+            ("first_enter_ns", "minState(enter_ns)", "AggregateFunction(min, Int64)"),
+            ("last_ns", "maxState(greatest(end_ns, enter_ns))", "AggregateFunction(max, Int64)"),
+        ),
+        "enter_ns",
+        "per rank and step: the ledger's first arrival and last completion; the jobs list reads it",
+        "cityHash64(job_id, rank)",
+    ),
 }
 
 
@@ -744,7 +758,8 @@ DEFAULT_RETENTION_DAYS: dict[str, int] = {
     "drops": 30,
     "preflight": 180,
     "drills": 0,
-    "collective_arrivals": 180,  # the rollup (ROLLUPS): months of blame after the raw ledger is gone
+    "collective_arrivals": 180,  # the rollups (ROLLUPS): months of blame after the raw ledger is gone
+    "rank_steps": 180,
 }
 
 # strings with few distinct values (dictionary-encoded on a current server)

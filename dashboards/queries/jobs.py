@@ -51,18 +51,9 @@ ORDER BY last_ns DESC
 LIMIT {int(limit)}
 """,
     )
-    # a job traced without step markers has collectives only: it is a job too (no steps, no step time)
-    ledger = frame(
-        store,
-        f"""
-SELECT job_id, attempt, uniqExact(rank) AS ranks, toInt64(0) AS first_step, toInt64(-1) AS last_step,
-       min(enter_ns) AS first_ns, max(greatest(end_ns, enter_ns)) AS last_ns, toInt64(0) AS median_step_ns
-FROM collectives
-GROUP BY job_id, attempt
-ORDER BY last_ns DESC
-LIMIT {int(limit)}
-""",
-    )
+    # a job traced without step markers has collectives only: it is a job too (no steps, no step time);
+    # from the rank_steps rollup where the server has it (one row per rank and step, not per collective)
+    ledger = frame(store, _ledger_jobs_sql(store, limit))
     # a job known only by its profiler traces (ingested Kineto traces) is a job too
     traced = frame(
         store,
@@ -116,6 +107,29 @@ LIMIT 100000
     )
     out["running"] = running
     return out
+
+
+def _ledger_jobs_sql(store: Store, limit: int) -> str:
+    """Jobs as their collectives know them: ranks and time range per job and attempt."""
+    from ranklens.analyzers.blame import rollup_present
+
+    if rollup_present(store, "rank_steps"):
+        inner = (
+            "SELECT job_id, attempt, rank, minMerge(first_enter_ns) AS f, maxMerge(last_ns) AS l "
+            "FROM rank_steps GROUP BY job_id, attempt, rank"
+        )
+        first, last = "min(f)", "max(l)"
+    else:
+        inner = "SELECT job_id, attempt, rank, enter_ns, end_ns FROM collectives"
+        first, last = "min(enter_ns)", "max(greatest(end_ns, enter_ns))"
+    return f"""
+SELECT job_id, attempt, uniqExact(rank) AS ranks, toInt64(0) AS first_step, toInt64(-1) AS last_step,
+       {first} AS first_ns, {last} AS last_ns, toInt64(0) AS median_step_ns
+FROM ({inner})
+GROUP BY job_id, attempt
+ORDER BY last_ns DESC
+LIMIT {int(limit)}
+"""
 
 
 def job_bounds(store: Store, job_id: str, attempt: int) -> JobBounds:

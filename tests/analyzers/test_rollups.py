@@ -140,3 +140,27 @@ def test_the_embedded_store_has_no_rollup_and_blame_reads_the_raw_ledger(embedde
     assert blame_source(embedded_store, JOB, 0, None) is None
     result, sql = run_blame(embedded_store, JOB, 0, 0)
     assert result.num_rows and "collective_arrivals" not in sql
+
+
+@pytest.mark.server
+def test_the_jobs_list_reads_the_rank_steps_rollup_with_the_raw_ledgers_answer(server_store, monkeypatch):
+    """A job traced without step markers is listed from its collectives: from the rank_steps rollup
+    (one row per rank and step) where the server has it, with the raw ledger's ranks and times."""
+    from ranklens.dashboards.queries import jobs
+
+    rows = [
+        {"job_id": "ledger-only", "rank": r, "pg": "0", "seq": q, "op": "all_reduce", "step": q // 4,
+         "enter_ns": 1_000 + 10 * q + r, "end_ns": 2_000 + 10 * q if q < 15 else 0, "host": f"h{r // 2}"}
+        for r in range(4) for q in range(16)
+    ]  # fmt: skip
+    server_store.write("collectives", rows)
+    assert "rank_steps" in jobs._ledger_jobs_sql(server_store, 10)
+    rolled = jobs.list_jobs(server_store)
+    monkeypatch.setenv("RANKLENS_ROLLUPS", "0")
+    assert "rank_steps" not in jobs._ledger_jobs_sql(server_store, 10)
+    raw = jobs.list_jobs(server_store)
+    cols = ["job_id", "attempt", "ranks", "first_ns", "last_ns"]
+    assert rolled[cols].to_dict("records") == raw[cols].to_dict("records")
+    assert rolled[cols].to_dict("records") == [
+        {"job_id": "ledger-only", "attempt": 0, "ranks": 4, "first_ns": 1_000, "last_ns": 2_140}
+    ]
