@@ -202,8 +202,8 @@ def test_current_cluster_ddl_parses_and_its_local_tables_run_on_chdb():
         findings = str(s.query(f"SHOW CREATE TABLE {db}.findings_local", "TSVRaw"))
         assert "ReplacingMergeTree" in findings and "PARTITION BY" not in findings
         # the view on the local ledger fills the local rollup (on a cluster: on the replica a row lands on)
-        cols = "job_id, rank, pg, seq, op, enter_ns, host"
-        s.query(f"INSERT INTO {db}.collectives_local ({cols}) VALUES ('j', 3, '0', 1, 'x', 5, 'h')")
+        cols = "job_id, rank, pg, seq, op, enter_ns, host"  # now: a 1970 part is expired and dropped at once
+        s.query(f"INSERT INTO {db}.collectives_local ({cols}) VALUES ('j', 3, '0', 1, 'x', {time.time_ns()}, 'h')")
         got = str(s.query(f"SELECT host, countMerge(rows) FROM {db}.collective_arrivals_local GROUP BY host", "TSV"))
         assert got.split() == ["h", "1"], got
     finally:
