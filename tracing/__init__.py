@@ -152,6 +152,10 @@ def init(
     Returns:
         The tracer, or None when disabled by ``RANKLENS_DISABLE=1`` or when setup failed (the
         failure is logged; tracing never raises into the training script).
+
+    Collectives issued before the first ``init`` of a process (DDP's parameter broadcast) are the
+    job's. ``init`` again after :func:`shutdown` (a new job id in the same processes) records the
+    collectives issued from then on only: none of the previous job's.
     """
     global _tracer
     if os.environ.get(ENV_DISABLE, "").lower() in ("1", "true", "yes"):

@@ -14,6 +14,12 @@ whole ring. So:
 - only the entries after the last one seen are parsed (a byte search for ``"record_id":N``);
 - a cheap status read (the per-group count of enqueued ops, no entries) tells whether anything new
   is there, so the ring is dumped only when it has filled up enough or when rows are due.
+
+The ring outlives a tracer: after ``shutdown`` and a new ``init`` in the same process (a new job id:
+a notebook, a harness running scenarios in one set of processes) the new tracer's reader starts
+after the newest entry present when it was created, so the previous job's collectives (and those
+issued untraced in between) are not taken for the new job's. The first reader of a process reads
+the whole ring: collectives issued before ``init`` (DDP's parameter broadcast) belong to the job.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["RingReader", "ring_capacity"]
+__all__ = ["RingReader", "new_entries", "newest_id", "ring_capacity"]
 
 log = logging.getLogger("ranklens.tracing")
 
@@ -31,6 +37,7 @@ ENV_BUFFER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 DEFAULT_CAPACITY = 2000  # torch's default (FlightRecorder.hpp)
 _FIRST_KEY = b'{"collective_seq_id":'  # nlohmann sorts keys: every entry object starts with it
 _ID_KEY = b'"record_id":'
+_READERS = [0]  # readers created in this process (the ring is process-wide and outlives them)
 
 
 def ring_capacity(environ: Any = None) -> int:
@@ -96,6 +103,18 @@ def _int_at(data: bytes, pos: int) -> int:
     while end < len(data) and data[end] in b"-0123456789":
         end += 1
     return int(data[pos:end])
+
+
+def newest_id(data: bytes) -> int:
+    """The newest ``record_id`` of a JSON dump (-1: none)."""
+    pos = data.rfind(_ID_KEY)
+    if pos >= 0:
+        try:
+            return _int_at(data, pos + len(_ID_KEY))
+        except ValueError:
+            pass
+    entries = (json.loads(data).get("entries") or []) if data.strip() else []
+    return max((int(e.get("record_id", -1)) for e in entries), default=-1)
 
 
 def new_entries(data: bytes, last_id: int) -> tuple[list[dict[str, Any]], int]:
@@ -169,7 +188,22 @@ class RingReader:
         except Exception:
             log.exception("ranklens: torch's flight recorder cannot be read here")
             return None
-        return cls(dump=dump, status=_status if hasattr(c10d, "_dump_fr_trace_json") else None, nccl=nccl)
+        reader = cls(dump=dump, status=_status if hasattr(c10d, "_dump_fr_trace_json") else None, nccl=nccl)
+        if _READERS[0]:  # a tracer of this process read the ring before: what is there is not this job's
+            reader.skip_present()
+        _READERS[0] += 1
+        return reader
+
+    def skip_present(self) -> None:
+        """Start after the newest entry each ring holds now (a ring that cannot be dumped: from the start)."""
+        for i, dump in enumerate(self._dumps):
+            try:
+                data = dump()
+                if data:
+                    newest = newest_id(data if isinstance(data, bytes) else str(data).encode())
+                    self.last_ids[i] = max(self.last_ids[i], newest)
+            except Exception:
+                log.exception("ranklens: torch's flight recorder cannot be read here")
 
     def status(self) -> tuple[int, bool] | None:
         """Collectives recorded so far (all groups) and whether one of them is still in flight;

@@ -346,3 +346,49 @@ def test_a_ring_read_that_keeps_failing_warns_once_then_counts(tmp_path, caplog)
     assert t._drops["collectives:fr_read_error"] >= 200
     assert 1 <= len(lines) <= 2, [r.getMessage() for r in lines]
     assert sum(r.exc_info is not None for r in lines) == 1
+
+
+_REINIT_JOB = """
+import sys, torch, torch.distributed as dist
+import ranklens.tracing as rlt
+spool, pg = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{pg}", rank=0, world_size=1)
+x = torch.ones(1 << 10)
+dist.all_reduce(x)  # before the first init: the first job's (DDP's parameter broadcast is such a call)
+rlt.init(job_id="first", spool_dir=spool, flush_interval_s=0.1)
+for _ in range(3):
+    dist.all_reduce(x)
+rlt.shutdown()
+dist.all_reduce(x)  # untraced, between the two jobs
+dist.barrier()
+rlt.init(job_id="second", spool_dir=spool, flush_interval_s=0.1)
+for _ in range(2):
+    dist.all_reduce(x)
+rlt.shutdown()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.e2e
+def test_a_tracer_started_again_in_the_same_process_takes_none_of_the_previous_jobs_collectives(tmp_path):
+    # torch's ring is process-wide and outlives a tracer: a second init's reader used to read it from
+    # its start, and the first job's collectives landed in the second job's ledger (with no end time)
+    from ranklens.collector import Shipper
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _REINIT_JOB, str(tmp_path / "spool"), str(tmp_path / "pg")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = open_store(f"embedded://{tmp_path}/store")
+    Shipper(tmp_path / "spool", store).ship_once()
+    rows = store.query("SELECT job_id, seq, op FROM collectives WHERE op != 'barrier' ORDER BY job_id, seq").rows()
+    by_job = defaultdict(list)
+    for job, seq, op in rows:
+        by_job[job].append((int(seq), op))
+    all_reduce = "all_reduce"
+    assert by_job["first"] == [(s, all_reduce) for s in (1, 2, 3, 4)], rows
+    assert by_job["second"] == [(s, all_reduce) for s in (7, 8)], rows
