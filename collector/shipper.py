@@ -94,10 +94,25 @@ class ShipResult:
     evicted: dict[str, int] = field(default_factory=dict)  # rows removed by the disk budget, per table
     error: str | None = None  # the store failed: segments stay for the next pass
     busy: bool = False  # another shipper holds this spool: nothing was done
+    more: bool = False  # the spool held more segments than one pass takes (``max_segments``)
+    passes: int = 1
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    def add(self, other: ShipResult) -> None:
+        """Fold a later pass into this one (:meth:`Shipper.ship_all`)."""
+        self.segments += other.segments
+        for table, n in other.rows.items():
+            self.rows[table] = self.rows.get(table, 0) + n
+        for table, n in other.evicted.items():
+            self.evicted[table] = self.evicted.get(table, 0) + n
+        self.quarantined += other.quarantined
+        self.already_stored += other.already_stored
+        self.partial += other.partial
+        self.error, self.busy, self.more = other.error, other.busy, other.more
+        self.passes += other.passes
 
 
 class Shipper:
@@ -275,6 +290,23 @@ class Shipper:
                 with self._budget_lock:
                     self._inflight.clear()
 
+    def ship_all(self, *, wait_s: float = 0.0, deadline_s: float | None = None) -> ShipResult:
+        """Passes until the spool is drained: one pass takes at most ``max_segments`` segments (a
+        spool of a long job, or of a store that was down, holds more). Stops at a failing pass (the
+        rest stays for the next), when another shipper holds the spool, when a pass moved nothing,
+        or after ``deadline_s`` seconds (then ``more`` is set). The passes' results, summed."""
+        t_end = None if deadline_s is None else time.monotonic() + deadline_s
+        total = self.ship_once(wait_s=wait_s)
+        while total.more and total.ok and not total.busy:
+            if t_end is not None and time.monotonic() >= t_end:
+                break
+            r = self.ship_once(wait_s=wait_s)
+            moved = r.segments + r.quarantined + r.already_stored
+            total.add(r)
+            if not moved:
+                break
+        return total
+
     def _traced_pass(self) -> ShipResult:
         if self.tracer is None:
             return self._ship_once()
@@ -342,6 +374,7 @@ class Shipper:
             self._inflight.clear()  # this pass is done with them
         self._enforce_budget(result, evict=not result.ok)
         self._record_result_drops(result)
+        result.more = probing or len(pending) >= self.max_segments  # a probe that got through: the rest next
         if result.ok and not probing and len(pending) < self.max_segments:
             self.spool_bytes, self.spool_segments, self.spool_oldest = 0, 0, None  # drained
         return result
@@ -567,7 +600,7 @@ class ShipLoop:
     def _pass(self, *, last: bool = False) -> None:
         sh = self.shipper
         try:
-            r = sh.ship_once()
+            r = sh.ship_all() if last else sh.ship_once()
         except Exception as e:  # never let the shipping stop (issue 22 #1): next pass
             log.exception("ranklens collector: shipping pass failed; segments stay for the next one")
             r = ShipResult(error=f"{type(e).__name__}: {e}")

@@ -724,12 +724,15 @@ def collect(
     )
     store = _open_for_agent(store_url) if follow else _open(store_url)
     if not follow:
-        r = cfg.shipper(store).ship_once(wait_s=30.0)
-        if r.busy:
+        r = cfg.shipper(store).ship_all(wait_s=30.0)  # a pass takes 2000 segments: drain the spool
+        if r.busy and not r.segments:
             raise StoreUnavailableError(
                 f"another collector has been shipping {cfg.spool_dir} for 30 s; try again, or let it ship"
             )
-        parts = [f"{r.segments} segment(s)", ", ".join(f"{k} {v}" for k, v in sorted(r.rows.items()))]
+        passes = f" in {r.passes} passes" if r.passes > 1 else ""
+        parts = [f"{r.segments} segment(s){passes}", ", ".join(f"{k} {v}" for k, v in sorted(r.rows.items()))]
+        if r.busy:
+            parts.append("another collector took the spool over and ships the rest")
         if r.quarantined:
             parts.append(f"{r.quarantined} quarantined")
         if r.already_stored:

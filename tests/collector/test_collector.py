@@ -357,3 +357,36 @@ def test_a_lock_file_another_user_owns_is_still_a_lock(tmp_path, monkeypatch):
             assert second is False  # held by the first, seen through the read-only descriptor
     with hold_collector_lock(spool) as third:
         assert third  # free again, taken read-only
+
+
+def test_ship_all_drains_a_spool_larger_than_one_pass_and_the_ship_loops_last_pass_does_too(tmp_path, store):
+    # a pass takes max_segments (2000 by default): `ranklens collect` and the last pass of
+    # `ranklens run` used to ship one pass and leave the rest of a long job's spool behind
+    w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
+    for i in range(7):
+        w.write("collectives", _rows(1, start=i))
+    sh = Shipper(tmp_path / "spool", store, max_segments=3)
+    first = sh.ship_once()
+    assert first.segments == 3 and first.more and len(sh.pending()) == 3
+    r = sh.ship_all()
+    assert r.ok and r.segments == 4 and r.passes == 2 and not r.more and r.rows == {"collectives": 4}
+    assert sh.pending() == [] and _seqs(store) == list(range(7))
+    for i in range(7, 14):
+        w.write("collectives", _rows(1, start=i))
+    loop = Shipper(tmp_path / "spool", store, max_segments=3).start(interval_s=3600)
+    assert loop.close(timeout_s=120)  # the first pass at start, the last one at close
+    assert _seqs(store) == list(range(14))
+
+
+def test_ship_all_stops_at_a_failing_pass_and_keeps_the_rest(tmp_path, embedded_store):
+    w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
+    for i in range(5):
+        w.write("collectives", _rows(1, start=i))
+    sh = Shipper(tmp_path / "spool", embedded_store, max_segments=2)
+    r = sh.ship_all(deadline_s=0)  # the deadline: one pass, the rest waits
+    assert r.ok and r.segments == 2 and r.more and r.passes == 1
+    shutil.move(embedded_store.root / "parts" / "collectives", tmp_path / "moved")
+    r = sh.ship_all()
+    assert not r.ok and r.passes == 1 and len(list((tmp_path / "spool").rglob("collectives.*.jsonl"))) == 3
+    shutil.move(tmp_path / "moved", embedded_store.root / "parts" / "collectives")
+    assert sh.ship_all().ok and _seqs(embedded_store) == list(range(5))

@@ -560,3 +560,18 @@ def test_disk_budget_holds_as_data_arrives_while_the_store_is_down(tmp_path, sto
     assert max(over) <= 2.5 * check_s, f"the spool stayed over its budget for {over} s"
     assert steps == [(w.rows["steps"],) * 2]
     assert dropped > 0 and stored + dropped == w.rows["gpu_samples"], (stored, dropped, w.rows)
+
+
+def test_collect_ships_a_spool_of_more_segments_than_one_pass_takes(tmp_path):
+    """A pass takes 2000 segments; a long job's spool (or one kept while the store was down) holds
+    more: the one-off ``collect`` used to ship the first 2000 and say nothing of the rest."""
+    spool, url = tmp_path / "spool", f"embedded://{tmp_path / 'store'}"
+    w = SpoolWriter.for_rank(spool, "long", 0, 0)
+    n = 2050
+    for s in range(n):
+        w.write("steps", [{"job_id": "long", "rank": 0, "step": s, "start_ns": 1 + s, "end_ns": 2 + s}])
+    r = _run("collect", "--store", url, "--spool", str(spool), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{n} segment(s) in 2 passes" in r.stderr, r.stderr[-2000:]
+    assert _q(url, "SELECT count(), uniqExact(step) FROM steps WHERE job_id = 'long'") == [(n, n)]
+    assert not _pending(spool, "long")
