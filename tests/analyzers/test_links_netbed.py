@@ -8,6 +8,7 @@ otherwise.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -95,7 +96,7 @@ def bed_run(tmp_path_factory):
         _wait(ctl / "done-straggler", procs, PHASE_S)
         outs = [p.communicate(timeout=300)[0] for p in procs]
         assert all(p.returncode == 0 for p in procs), [o[-1500:] for o in outs]
-        Shipper(tmp / "spool", store).ship_once()
+        Shipper(tmp / "spool", store).ship_all()  # every scenario: a pass takes 2000 segments
         job_s = time.monotonic() - t0
         yield {"store": store, "job": job, "bed": bed, "job_s": job_s}
     finally:
@@ -116,14 +117,27 @@ def test_throttled_node3_link_is_named_not_healthy_ranks_not_a_straggler(bed_run
     )
 
 
+def _explain(findings) -> str:
+    """A false link finding's evidence, for the next person to diagnose (seen once in a quiet CI run:
+    a false node2<->node3 at 2.2x on the healthy bed, 8 ranks on 2 cores)."""
+    keep = ("slowdown", "windows", "slow_groups", "exonerating_groups", "transfer_vs_arrival", "purity")
+    return json.dumps(
+        [{"title": f.title, "state": f.state, **{k: f.evidence.get(k) for k in keep}} for f in findings],
+        default=str,
+        indent=1,
+    )
+
+
 def test_unthrottled_bed_has_no_link_finding(bed_run):
     findings = find_slow_links(bed_run["store"], f"{bed_run['job']}-healthy")
-    assert [f for f in findings if f.kind == "slow_link"] == [], [f.title for f in findings]
+    links = [f for f in findings if f.kind == "slow_link"]
+    assert links == [], _explain(links)
 
 
 def test_compute_slowed_rank_is_a_straggler_not_a_link(bed_run):
     store, job = bed_run["store"], f"{bed_run['job']}-straggler"
-    assert [f for f in find_slow_links(store, job) if f.kind == "slow_link"] == []
+    links = [f for f in find_slow_links(store, job) if f.kind == "slow_link"]
+    assert links == [], _explain(links)
     stragglers = find_stragglers(store, job)
     assert [s.rank for f in stragglers[:1] for s in f.suspects] == [5], [f.title for f in stragglers]
 
