@@ -55,17 +55,15 @@ def _lines_of_one_object(data: bytes, start: int) -> int:
     object over two lines, spaces or ``\\r`` around one). Arrow's reader takes any whitespace
     between objects, the line-by-line reader does not; a raw newline cannot be inside a JSON string,
     so when every newline sits between ``}`` and ``{`` no object spans two lines, and a table with
-    as many rows as lines then has one object a line."""
-    import numpy as np
-
+    as many rows as lines then has one object a line. Two counts over the bytes, no array as large
+    as the file (a one-shot ingest paid ~0.1 s of page faults for numpy's)."""
     end = len(data) - 1 if data.endswith(b"\n") else len(data)
     if end <= start or data[start] != ord("{") or data[end - 1] != ord("}"):
         return 0
-    body = np.frombuffer(data, dtype=np.uint8, count=end - start, offset=start)
-    breaks = np.flatnonzero(body == ord("\n"))  # inside body: neither first nor last byte
-    if breaks.size and not ((body[breaks - 1] == ord("}")).all() and (body[breaks + 1] == ord("{")).all()):
+    breaks = data.count(b"\n", start, end)  # inside the body: neither its first nor its last byte
+    if breaks and data.count(b"}\n{", start, end) != breaks:  # such matches cannot overlap: one newline each
         return 0
-    return int(breaks.size) + 1
+    return breaks + 1
 
 
 def _parse_type(t: Any) -> Any:
