@@ -22,6 +22,11 @@ groups does not drag it down), *fast* when it is close to it.
   period that hits everyone*: reported as such, and kept out of the localization.
 * A compute straggler arrives late but transfers at full speed: the metric measures transfer
   after the last arrival, so its groups are not slow tests at all.
+* A window where links that share no node with a suspect were slow far more often than usual (tests
+  no suspect explains), and as slow as the suspect's, is a *transient* of the host or the fabric (a
+  CPU-starved moment: every transfer running then was slow), not the link's: it does not count
+  for the link. A fault stands out: on the network bed a throttled link ran 140-610x slower while
+  the transient tests beside it ran 2-12x slower, as healthy windows' noise does.
 """
 
 from __future__ import annotations
@@ -175,6 +180,10 @@ class GroupTestingDetector:
             is slow only when also >= exp(noise_k * sigma) below baseline (fast: proportionally).
         congestion_share: a window whose inter-node tests are at least this share slow, and still
             are after removing what single links clearly explain, is congested.
+        transient_k: a suspect link's slow tests in a window do not count when, on links sharing no
+            node with it, more than this many times the job's usual share of sporadic slow tests
+            were slow then, and the suspect's were less than this many times slower than those
+            (medians; 0: off).
     """
 
     slow_ratio: float = 1.5
@@ -189,6 +198,7 @@ class GroupTestingDetector:
     min_persistence: float = 0.5
     congestion_share: float = 0.5
     noise_k: float = 3.0
+    transient_k: float = 2.0
     name: str = "group_testing"
 
     def __post_init__(self) -> None:
@@ -196,8 +206,8 @@ class GroupTestingDetector:
             raise ValueError(
                 f"need 1 <= fast_ratio ({self.fast_ratio}) <= slow_ratio ({self.slow_ratio}), 1 < slow_ratio"
             )
-        if self.noise_k < 0 or self.min_excess_s < 0:
-            raise ValueError("noise_k and min_excess_s must be >= 0")
+        if self.noise_k < 0 or self.min_excess_s < 0 or self.transient_k < 0:
+            raise ValueError("noise_k, min_excess_s and transient_k must be >= 0")
         for name in ("baseline_quantile", "min_purity", "congestion_share", "min_persistence"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"GroupTestingDetector.{name}={getattr(self, name)} must be in (0, 1]")
@@ -261,7 +271,7 @@ class GroupTestingDetector:
 
         congested, congestion = self._congestion(m, cell_links, cell_nodes, n_nodes, slow, fast, ratio)
         usable = ~np.isin(m.window, list(congested)) if congested else np.ones(n, dtype=bool)
-        links = self._localize(m, cell_links, slow & usable, fast & usable)
+        links = self._localize(m, cell_links, slow & usable, fast & usable, ratio, cell_nodes)
         return LinkReport(links, congestion, base, ratio, verdict, m.window, cell_links)
 
     # ------------------------------------------------------------------------------ congestion
@@ -333,7 +343,13 @@ class GroupTestingDetector:
     # ---------------------------------------------------------------------------- localization
 
     def _localize(
-        self, m: LinkMetrics, cell_links: list[tuple[Link, ...]], slow: np.ndarray, fast: np.ndarray
+        self,
+        m: LinkMetrics,
+        cell_links: list[tuple[Link, ...]],
+        slow: np.ndarray,
+        fast: np.ndarray,
+        ratio: np.ndarray,
+        cell_nodes: list[tuple[str, ...]],
     ) -> list[LinkDetection]:
         slow_of: dict[Link, list[int]] = defaultdict(list)
         decided_of: dict[Link, list[int]] = defaultdict(list)
@@ -342,6 +358,65 @@ class GroupTestingDetector:
                 decided_of[lk].append(int(i))
                 if slow[i]:
                     slow_of[lk].append(int(i))
+        candidates = self._candidates(m, slow_of, decided_of, fast)
+        if candidates and self.transient_k > 0:
+            kept = self._without_transients(m, slow, fast, ratio, cell_nodes, candidates)
+            candidates = self._candidates(m, kept, decided_of, fast)
+        return self._cover(m, slow, fast, decided_of, candidates)
+
+    def _without_transients(
+        self,
+        m: LinkMetrics,
+        slow: np.ndarray,
+        fast: np.ndarray,
+        ratio: np.ndarray,
+        cell_nodes: list[tuple[str, ...]],
+        candidates: list[tuple[Link, list[int], list[int], float]],
+    ) -> dict[Link, list[int]]:
+        """Each suspect's slow tests without its windows of transients (see the module docstring):
+        among the window's tests on links sharing no node with this one, and no suspect's, a larger
+        share was slow than ``transient_k`` times the job's share of such sporadic slow tests, and
+        they were at least 1 / ``transient_k`` as slow as the suspect's (medians). A large job
+        always has a few sporadic slow tests somewhere; a transient makes many slow at once."""
+        suspects = {int(i) for _lk, cells, _f, _p in candidates for i in cells}
+        others = np.ones(len(slow), dtype=bool)
+        others[list(suspects)] = False
+        decided = others & (slow | fast)
+        if not decided.any():
+            return {lk: cells for lk, cells, _f, _p in candidates}
+        usual = float((others & slow).sum()) / float(decided.sum())
+        by_window: dict[int, list[int]] = defaultdict(list)
+        for i in np.flatnonzero(decided):
+            by_window[int(m.window[i])].append(int(i))
+        out: dict[Link, list[int]] = {}
+        for lk, cells, _f, _p in candidates:
+            nodes = set(lk.nodes)
+            by_win: dict[int, list[int]] = defaultdict(list)
+            for c in cells:
+                by_win[int(m.window[c])].append(c)
+            keep: list[int] = []
+            for w, here in by_win.items():
+                tested = [j for j in by_window.get(w, ()) if not nodes & set(cell_nodes[j])]
+                beside = [j for j in tested if slow[j]]
+                if (
+                    beside
+                    and len(beside) > self.transient_k * usual * len(tested)
+                    and float(np.median(ratio[here])) < self.transient_k * float(np.median(ratio[beside]))
+                ):
+                    continue
+                keep += here
+            out[lk] = sorted(keep)
+        return out
+
+    def _candidates(
+        self,
+        m: LinkMetrics,
+        slow_of: dict[Link, list[int]],
+        decided_of: dict[Link, list[int]],
+        fast: np.ndarray,
+    ) -> list[tuple[Link, list[int], list[int], float]]:
+        """Links whose slow tests pass the thresholds: enough of them, in enough windows, pure and
+        persistent enough."""
         candidates = []
         for lk, s_cells in slow_of.items():
             if len(s_cells) < self.min_slow_tests:
@@ -359,6 +434,17 @@ class GroupTestingDetector:
             if len(wins) < self.min_persistence * len(tested):
                 continue
             candidates.append((lk, s_cells, f_cells, purity))
+        return candidates
+
+    def _cover(
+        self,
+        m: LinkMetrics,
+        slow: np.ndarray,
+        fast: np.ndarray,
+        decided_of: dict[Link, list[int]],
+        candidates: list[tuple[Link, list[int], list[int], float]],
+    ) -> list[LinkDetection]:
+        """Greedy set cover: the link explaining most slow tests first, then what is left."""
         remaining = slow.copy()
         out: list[LinkDetection] = []
         while candidates:

@@ -9,7 +9,8 @@ link throttled to ``--rate`` with tbf, ``s`` rank 5 computing 150 ms longer from
 spool into an embedded store, then prints per scenario the slow-link and congestion findings and
 every cell the detector judged slow (group, op, window, slowdown, median transfer): on a healthy
 scenario each slow cell is noise, and a link whose groups' slow cells line up over two windows is
-one step from a false finding. Needs root and iproute2 (as the test). Not run in the test suite.
+one step from a false finding; and what the detector would also name without its transient rule
+(``transient_k=0``). Needs root and iproute2 (as the test). Not run in the test suite.
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def run_bed(spec: list[tuple[str, str]], rate: str, tmp: Path) -> tuple[object, 
     return store, job
 
 
+def _named(findings: list) -> set[str]:
+    return {str(f.evidence.get("link", f.kind)) for f in findings}
+
+
 def report(store: object, job_id: str) -> None:
     m = compute_link_metrics(store, job_id)  # type: ignore[arg-type]
     r = GroupTestingDetector().detect(m)
@@ -99,7 +104,13 @@ def report(store: object, job_id: str) -> None:
         slow[key].append(f"w{int(m.window[i])} {float(r.ratio[i]):.1f}x {float(m.xfer_s[i]) * 1e3:.1f} ms")
     findings = find_slow_links(store, job_id)  # type: ignore[arg-type]
     names = [f"{f.kind} {f.evidence.get('link', '')} {f.evidence.get('slowdown')}x" for f in findings]
-    print(f"{job_id}: {len(m)} cells, {int((r.verdict == SLOW).sum())} slow; findings: {names or 'none'}")
+    # what the detector would say without its transient rule (a window as slow beside the link)
+    bare = find_slow_links(store, job_id, detector=GroupTestingDetector(transient_k=0.0))  # type: ignore[arg-type]
+    extra = sorted(_named(bare) - _named(findings))
+    print(
+        f"{job_id}: {len(m)} cells, {int((r.verdict == SLOW).sum())} slow; findings: {names or 'none'}"
+        + (f"; without the transient rule also: {extra}" if extra else "")
+    )
     for key, cells in sorted(slow.items()):
         print(f"    {key}: {'; '.join(cells)}")
 
