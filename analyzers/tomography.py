@@ -271,7 +271,7 @@ class GroupTestingDetector:
 
         congested, congestion = self._congestion(m, cell_links, cell_nodes, n_nodes, slow, fast, ratio)
         usable = ~np.isin(m.window, list(congested)) if congested else np.ones(n, dtype=bool)
-        links = self._localize(m, cell_links, slow & usable, fast & usable, ratio, cell_nodes)
+        links = self._localize(m, cell_links, slow & usable, fast & usable, ratio)
         return LinkReport(links, congestion, base, ratio, verdict, m.window, cell_links)
 
     # ------------------------------------------------------------------------------ congestion
@@ -349,7 +349,6 @@ class GroupTestingDetector:
         slow: np.ndarray,
         fast: np.ndarray,
         ratio: np.ndarray,
-        cell_nodes: list[tuple[str, ...]],
     ) -> list[LinkDetection]:
         slow_of: dict[Link, list[int]] = defaultdict(list)
         decided_of: dict[Link, list[int]] = defaultdict(list)
@@ -360,7 +359,7 @@ class GroupTestingDetector:
                     slow_of[lk].append(int(i))
         candidates = self._candidates(m, slow_of, decided_of, fast)
         if candidates and self.transient_k > 0:
-            kept = self._without_transients(m, slow, fast, ratio, cell_nodes, candidates)
+            kept = self._without_transients(m, slow, fast, ratio, candidates)
             candidates = self._candidates(m, kept, decided_of, fast)
         return self._cover(m, slow, fast, decided_of, candidates)
 
@@ -370,40 +369,42 @@ class GroupTestingDetector:
         slow: np.ndarray,
         fast: np.ndarray,
         ratio: np.ndarray,
-        cell_nodes: list[tuple[str, ...]],
         candidates: list[tuple[Link, list[int], list[int], float]],
     ) -> dict[Link, list[int]]:
         """Each suspect's slow tests without its windows of transients (see the module docstring):
         among the window's tests on links sharing no node with this one, and no suspect's, a larger
         share was slow than ``transient_k`` times the job's share of such sporadic slow tests, and
         they were at least 1 / ``transient_k`` as slow as the suspect's (medians). A large job
-        always has a few sporadic slow tests somewhere; a transient makes many slow at once."""
-        suspects = {int(i) for _lk, cells, _f, _p in candidates for i in cells}
+        always has a few sporadic slow tests somewhere; a transient makes many slow at once.
+        Array work per suspect (a 10,240-rank job has ~370k cells)."""
         others = np.ones(len(slow), dtype=bool)
-        others[list(suspects)] = False
+        others[[i for _lk, cells, _f, _p in candidates for i in cells]] = False
         decided = others & (slow | fast)
-        if not decided.any():
+        sporadic = others & slow
+        if not sporadic.any():
             return {lk: cells for lk, cells, _f, _p in candidates}
-        usual = float((others & slow).sum()) / float(decided.sum())
-        by_window: dict[int, list[int]] = defaultdict(list)
-        for i in np.flatnonzero(decided):
-            by_window[int(m.window[i])].append(int(i))
+        usual = float(sporadic.sum()) / float(decided.sum())
+        wins, win_of = np.unique(m.window, return_inverse=True)
+        win_of = win_of.reshape(-1)
+        code: dict[str, int] = {}
+        group_of = np.fromiter((code.setdefault(str(p), len(code)) for p in m.pg), dtype=np.int64, count=len(m))
         out: dict[Link, list[int]] = {}
         for lk, cells, _f, _p in candidates:
             nodes = set(lk.nodes)
+            near = [c for pg, c in code.items() if pg in m.groups and nodes & set(m.groups[pg].nodes)]
+            apart = ~np.isin(group_of, np.asarray(near, dtype=np.int64))
+            tested = np.bincount(win_of[decided & apart], minlength=len(wins))
+            beside = sporadic & apart
+            n_beside = np.bincount(win_of[beside], minlength=len(wins))
             by_win: dict[int, list[int]] = defaultdict(list)
             for c in cells:
-                by_win[int(m.window[c])].append(c)
+                by_win[int(win_of[c])].append(c)
             keep: list[int] = []
             for w, here in by_win.items():
-                tested = [j for j in by_window.get(w, ()) if not nodes & set(cell_nodes[j])]
-                beside = [j for j in tested if slow[j]]
-                if (
-                    beside
-                    and len(beside) > self.transient_k * usual * len(tested)
-                    and float(np.median(ratio[here])) < self.transient_k * float(np.median(ratio[beside]))
-                ):
-                    continue
+                if n_beside[w] and n_beside[w] > self.transient_k * usual * tested[w]:
+                    theirs = float(np.median(ratio[beside & (win_of == w)]))
+                    if float(np.median(ratio[here])) < self.transient_k * theirs:
+                        continue
                 keep += here
             out[lk] = sorted(keep)
         return out
