@@ -270,6 +270,9 @@ def shutdown(timeout_s: float = 5.0) -> None:
         _dataloader.unpatch_dataloader()
     except Exception:
         log.exception("ranklens: shutdown failed")
+    from ranklens.tracing._fr_ring import mark_job_ended
+
+    mark_job_ended()  # the next init's ring reader starts after what this job left in torch's ring
     _tracer = None
 
 

@@ -18,8 +18,9 @@ whole ring. So:
 The ring outlives a tracer: after ``shutdown`` and a new ``init`` in the same process (a new job id:
 a notebook, a harness running scenarios in one set of processes) the new tracer's reader starts
 after the newest entry present when it was created, so the previous job's collectives (and those
-issued untraced in between) are not taken for the new job's. The first reader of a process reads
-the whole ring: collectives issued before ``init`` (DDP's parameter broadcast) belong to the job.
+issued untraced in between) are not taken for the new job's. Until a tracer of the process has shut
+down, a reader reads the whole ring: collectives issued before ``init`` (DDP's parameter broadcast)
+belong to the job.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["RingReader", "new_entries", "newest_id", "ring_capacity"]
+__all__ = ["RingReader", "mark_job_ended", "new_entries", "ring_capacity"]
 
 log = logging.getLogger("ranklens.tracing")
 
@@ -37,7 +38,13 @@ ENV_BUFFER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 DEFAULT_CAPACITY = 2000  # torch's default (FlightRecorder.hpp)
 _FIRST_KEY = b'{"collective_seq_id":'  # nlohmann sorts keys: every entry object starts with it
 _ID_KEY = b'"record_id":'
-_READERS = [0]  # readers created in this process (the ring is process-wide and outlives them)
+_JOB_ENDED = [False]  # a tracer of this process was shut down: the ring holds another job's entries
+
+
+def mark_job_ended() -> None:
+    """A tracer of this process shut down (``ranklens.tracing.shutdown``): a reader created from
+    now on starts after what the ring holds (the ring is process-wide and outlives tracers)."""
+    _JOB_ENDED[0] = True
 
 
 def ring_capacity(environ: Any = None) -> int:
@@ -105,18 +112,6 @@ def _int_at(data: bytes, pos: int) -> int:
     return int(data[pos:end])
 
 
-def newest_id(data: bytes) -> int:
-    """The newest ``record_id`` of a JSON dump (-1: none)."""
-    pos = data.rfind(_ID_KEY)
-    if pos >= 0:
-        try:
-            return _int_at(data, pos + len(_ID_KEY))
-        except ValueError:
-            pass
-    entries = (json.loads(data).get("entries") or []) if data.strip() else []
-    return max((int(e.get("record_id", -1)) for e in entries), default=-1)
-
-
 def new_entries(data: bytes, last_id: int) -> tuple[list[dict[str, Any]], int]:
     """Entries of a JSON dump whose ``record_id`` is above ``last_id``, oldest first, and how many
     were overwritten before they could be read (ids skipped between ``last_id`` and the oldest new
@@ -169,6 +164,7 @@ class RingReader:
         self._status = status
         self.last_ids = [-1] * len(self._dumps)
         self.last_data: list[bytes] = [b""] * len(self._dumps)  # each ring's latest dump
+        self.skipped_seqs: dict[str, int] = {}  # newest seq per group of the entries skip_present skipped
 
     @classmethod
     def create(cls) -> RingReader | None:
@@ -189,21 +185,33 @@ class RingReader:
             log.exception("ranklens: torch's flight recorder cannot be read here")
             return None
         reader = cls(dump=dump, status=_status if hasattr(c10d, "_dump_fr_trace_json") else None, nccl=nccl)
-        if _READERS[0]:  # a tracer of this process read the ring before: what is there is not this job's
+        if _JOB_ENDED[0]:  # a tracer of this process ended: what the ring holds is not this job's
             reader.skip_present()
-        _READERS[0] += 1
         return reader
 
-    def skip_present(self) -> None:
-        """Start after the newest entry each ring holds now (a ring that cannot be dumped: from the start)."""
+    def skip_present(self) -> dict[str, int]:
+        """Start after the newest entry each ring holds now (a ring that cannot be dumped: from its
+        start, logged). Returns, and keeps as ``skipped_seqs``, the newest ``collective_seq_id`` per
+        group among the skipped entries: group seqs go on across tracers, and the ledger counts the
+        seqs it never saw from them."""
+        seqs: dict[str, int] = {}
         for i, dump in enumerate(self._dumps):
             try:
                 data = dump()
-                if data:
-                    newest = newest_id(data if isinstance(data, bytes) else str(data).encode())
-                    self.last_ids[i] = max(self.last_ids[i], newest)
+                if not data:
+                    continue
+                entries, _lost = new_entries(data if isinstance(data, bytes) else str(data).encode(), -1)
+                if entries:
+                    self.last_ids[i] = max(self.last_ids[i], int(entries[-1]["record_id"]))
+                for e in entries:
+                    pg = str((e.get("process_group") or [""])[0])
+                    seq = int(e.get("collective_seq_id") or 0)
+                    if pg and not e.get("is_p2p") and seq > seqs.get(pg, 0):
+                        seqs[pg] = seq
             except Exception:
-                log.exception("ranklens: torch's flight recorder cannot be read here")
+                log.exception("ranklens: torch's flight recorder cannot be read; this tracer reads it from its start")
+        self.skipped_seqs = seqs
+        return seqs
 
     def status(self) -> tuple[int, bool] | None:
         """Collectives recorded so far (all groups) and whether one of them is still in flight;

@@ -141,6 +141,7 @@ class Ledger:
         if reader is None:
             return None
         ledger = cls(tracer, reader, capacity=ring_capacity())
+        ledger._last_seq.update(reader.skipped_seqs)  # seqs a previous job of this process took
         ledger.start()
         return ledger
 

@@ -392,3 +392,6 @@ def test_a_tracer_started_again_in_the_same_process_takes_none_of_the_previous_j
     all_reduce = "all_reduce"
     assert by_job["first"] == [(s, all_reduce) for s in (1, 2, 3, 4)], rows
     assert by_job["second"] == [(s, all_reduce) for s in (7, 8)], rows
+    # the second job's calls got their own seqs: none counted as lost or left without an entry
+    drops = store.query("SELECT job_id, what, sum(count) FROM drops GROUP BY job_id, what").rows()
+    assert [d for d in drops if str(d[1]).startswith("collectives:")] == [], drops
