@@ -95,6 +95,7 @@ class ShipResult:
     error: str | None = None  # the store failed: segments stay for the next pass
     busy: bool = False  # another shipper holds this spool: nothing was done
     more: bool = False  # the spool held more segments than one pass takes (``max_segments``)
+    removed: int = 0  # segments gone from the spool: stored and deleted (or gone already)
     passes: int = 1
 
     @property
@@ -109,6 +110,7 @@ class ShipResult:
         for table, n in other.evicted.items():
             self.evicted[table] = self.evicted.get(table, 0) + n
         self.quarantined += other.quarantined
+        self.removed += other.removed
         self.already_stored += other.already_stored
         self.partial += other.partial
         self.error, self.busy, self.more = other.error, other.busy, other.more
@@ -293,17 +295,22 @@ class Shipper:
     def ship_all(self, *, wait_s: float = 0.0, deadline_s: float | None = None) -> ShipResult:
         """Passes until the spool is drained: one pass takes at most ``max_segments`` segments (a
         spool of a long job, or of a store that was down, holds more). Stops at a failing pass (the
-        rest stays for the next), when another shipper holds the spool, when a pass moved nothing,
-        or after ``deadline_s`` seconds (then ``more`` is set). The passes' results, summed."""
+        rest stays for the next), when another shipper holds the spool, when a pass took nothing
+        out of the spool (segments stored but not deletable stay: looked up, never sent twice),
+        after as many passes as the spool held segments when it started (a spool that ranks still
+        write is not chased forever), or after ``deadline_s`` seconds. ``more`` is then still set.
+        The passes' results, summed."""
         t_end = None if deadline_s is None else time.monotonic() + deadline_s
         total = self.ship_once(wait_s=wait_s)
-        while total.more and total.ok and not total.busy:
+        if not total.more:
+            return total
+        cap = 1 + sum(1 for _ in self._walk()) // max(1, self.max_segments)
+        while total.more and total.ok and not total.busy and total.passes <= cap:
             if t_end is not None and time.monotonic() >= t_end:
                 break
             r = self.ship_once(wait_s=wait_s)
-            moved = r.segments + r.quarantined + r.already_stored
             total.add(r)
-            if not moved:
+            if not (r.removed or r.quarantined):
                 break
         return total
 
@@ -435,8 +442,9 @@ class Shipper:
         for s in done:
             try:
                 s.path.unlink()
+                result.removed += 1
             except FileNotFoundError:
-                pass
+                result.removed += 1
             except OSError as e:
                 # stored, but this user may not delete it (a spool whose permissions keep the
                 # collector out): it stays in doubt, so a later pass looks it up (never sends it
@@ -597,10 +605,10 @@ class ShipLoop:
         self._worker.submit(self._pass, name="ship")  # the first pass at once
         self._worker.every(interval_s, self._pass, name="ship", blocking=True)
 
-    def _pass(self, *, last: bool = False) -> None:
+    def _pass(self, *, last: bool = False, deadline_s: float | None = None) -> None:
         sh = self.shipper
         try:
-            r = sh.ship_all() if last else sh.ship_once()
+            r = sh.ship_all(deadline_s=deadline_s) if last else sh.ship_once()
         except Exception as e:  # never let the shipping stop (issue 22 #1): next pass
             log.exception("ranklens collector: shipping pass failed; segments stay for the next one")
             r = ShipResult(error=f"{type(e).__name__}: {e}")
@@ -617,4 +625,7 @@ class ShipLoop:
         """Stop: the pass in progress finishes, then one last pass ships what the ranks wrote last,
         all within ``timeout_s`` (what is not shipped by then stays in the spool). Never raises.
         Returns whether the last pass ran to its end."""
-        return self._worker.close(timeout_s, final=lambda: self._pass(last=True)).final_ran
+        end = time.monotonic() + timeout_s
+        # the last pass drains the spool within what is left of the timeout (at least one pass)
+        last = lambda: self._pass(last=True, deadline_s=max(0.0, end - time.monotonic()))  # noqa: E731
+        return self._worker.close(timeout_s, final=last).final_ran

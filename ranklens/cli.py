@@ -733,6 +733,8 @@ def collect(
         parts = [f"{r.segments} segment(s){passes}", ", ".join(f"{k} {v}" for k, v in sorted(r.rows.items()))]
         if r.busy:
             parts.append("another collector took the spool over and ships the rest")
+        elif r.more and r.ok:
+            parts.append("segments left in the spool (stored but not deletable, or still being written): run it again")
         if r.quarantined:
             parts.append(f"{r.quarantined} quarantined")
         if r.already_stored:

@@ -390,3 +390,25 @@ def test_ship_all_stops_at_a_failing_pass_and_keeps_the_rest(tmp_path, embedded_
     assert not r.ok and r.passes == 1 and len(list((tmp_path / "spool").rglob("collectives.*.jsonl"))) == 3
     shutil.move(tmp_path / "moved", embedded_store.root / "parts" / "collectives")
     assert sh.ship_all().ok and _seqs(embedded_store) == list(range(5))
+
+
+def test_ship_all_ends_when_stored_segments_cannot_be_deleted(tmp_path, store, monkeypatch):
+    """Stored but not deletable (a spool whose permissions keep the collector out), more than a pass
+    holds: every pass would settle the same segments again; ship_all stops once a pass takes nothing
+    out of the spool, having sent each row once."""
+    import pathlib
+
+    w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
+    for i in range(5):
+        w.write("collectives", _rows(1, start=i))
+    real_unlink = pathlib.Path.unlink
+
+    def refused(self, missing_ok=False):
+        if self.suffix != ".lock" and "spool" in self.parts and "_collector" not in self.parts:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", refused)
+    r = Shipper(tmp_path / "spool", store, max_segments=2).ship_all()
+    assert r.ok and r.more and r.removed == 0 and r.passes == 2
+    assert _seqs(store) == [0, 1]  # the first pass's two segments, once; the others wait
