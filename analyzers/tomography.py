@@ -206,8 +206,10 @@ class GroupTestingDetector:
             raise ValueError(
                 f"need 1 <= fast_ratio ({self.fast_ratio}) <= slow_ratio ({self.slow_ratio}), 1 < slow_ratio"
             )
-        if self.noise_k < 0 or self.min_excess_s < 0 or self.transient_k < 0:
-            raise ValueError("noise_k, min_excess_s and transient_k must be >= 0")
+        if self.noise_k < 0 or self.min_excess_s < 0:
+            raise ValueError("noise_k and min_excess_s must be >= 0")
+        if self.transient_k != 0 and self.transient_k < 1:
+            raise ValueError(f"GroupTestingDetector.transient_k={self.transient_k} must be 0 (off) or >= 1")
         for name in ("baseline_quantile", "min_purity", "congestion_share", "min_persistence"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"GroupTestingDetector.{name}={getattr(self, name)} must be in (0, 1]")
@@ -359,7 +361,8 @@ class GroupTestingDetector:
                     slow_of[lk].append(int(i))
         candidates = self._candidates(m, slow_of, decided_of, fast)
         if candidates and self.transient_k > 0:
-            kept = self._without_transients(m, slow, fast, ratio, candidates)
+            through = [i for c in candidates for i in decided_of[c[0]]]
+            kept = self._without_transients(m, slow, fast, ratio, candidates, through)
             candidates = self._candidates(m, kept, decided_of, fast)
         return self._cover(m, slow, fast, decided_of, candidates)
 
@@ -370,15 +373,16 @@ class GroupTestingDetector:
         fast: np.ndarray,
         ratio: np.ndarray,
         candidates: list[tuple[Link, list[int], list[int], float]],
+        through: list[int],
     ) -> dict[Link, list[int]]:
         """Each suspect's slow tests without its windows of transients (see the module docstring):
-        among the window's tests on links sharing no node with this one, and no suspect's, a larger
+        among the window's tests on links sharing no node with this one, none through a suspect, a larger
         share was slow than ``transient_k`` times the job's share of such sporadic slow tests, and
         they were at least 1 / ``transient_k`` as slow as the suspect's (medians). A large job
         always has a few sporadic slow tests somewhere; a transient makes many slow at once.
         Array work per suspect (a 10,240-rank job has ~370k cells)."""
         others = np.ones(len(slow), dtype=bool)
-        others[[i for _lk, cells, _f, _p in candidates for i in cells]] = False
+        others[through] = False  # every decided test through a suspect link
         decided = others & (slow | fast)
         sporadic = others & slow
         if not sporadic.any():
