@@ -169,6 +169,9 @@ class Shipper:
         self._observed: set[str] = set()  # segments already shown to on_segment
         self.in_doubt: set[str] = self._journal.load(self._all_segments)
         self._undeletable_logged: set[str] = set()  # segments stored but not deletable, warned about once
+        # stored (the store acknowledged them) but not deletable: each pass retries the delete only,
+        # and leaves them out of what it reads, so they never hold back newer segments
+        self._stuck: set[str] = set()
         self._last_budget_check = -1e18
         # the budget may be held from another thread while a pass runs (Agent's budget loop):
         # it never evicts what the pass holds in memory
@@ -195,9 +198,12 @@ class Shipper:
                 if not f.startswith(".") and (f.endswith(".jsonl") or f.endswith(".pt.trace.json")):
                     yield Path(dirpath) / f
 
-    def pending(self) -> list[Path]:
-        """Segments waiting to be shipped, oldest first (at most ``max_segments``)."""
+    def pending(self, skip: set[str] | frozenset[str] = frozenset()) -> list[Path]:
+        """Segments waiting to be shipped, oldest first (at most ``max_segments``), without the
+        spool-relative paths in ``skip``."""
         out = [p for p in self._walk() if p.name.endswith(".jsonl")]
+        if skip:
+            out = [p for p in out if self._rel(p) not in skip]
         return sorted(out, key=lambda p: p.name.rsplit(".", 2)[-2])[: self.max_segments]
 
     def _all_segments(self) -> set[str]:
@@ -260,6 +266,7 @@ class Shipper:
             )
 
     def _undeletable(self, rel: str, e: OSError) -> None:
+        self._stuck.add(rel)
         if rel not in self._undeletable_logged:
             self._undeletable_logged.add(rel)
             log.warning(
@@ -268,6 +275,25 @@ class Shipper:
                 self.spool_dir / rel,
                 e,
             )
+
+    @property
+    def undeletable(self) -> int:
+        """Segments this shipper stored but could not delete (they wait in the spool)."""
+        return len(self._stuck)
+
+    def _retry_stuck(self, result: ShipResult) -> None:
+        """Segments this shipper stored but could not delete: the delete is retried, nothing is
+        read or asked (the store acknowledged their rows)."""
+        for rel in sorted(self._stuck):
+            try:
+                (self.spool_dir / rel).unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            self._stuck.discard(rel)
+            self._forget(rel)
+            result.removed += 1
 
     def _forget(self, rel: str) -> None:
         self.in_doubt.discard(rel)
@@ -295,10 +321,10 @@ class Shipper:
     def ship_all(self, *, wait_s: float = 0.0, deadline_s: float | None = None) -> ShipResult:
         """Passes until the spool is drained: one pass takes at most ``max_segments`` segments (a
         spool of a long job, or of a store that was down, holds more). Stops at a failing pass (the
-        rest stays for the next), when another shipper holds the spool, when a pass took nothing
-        out of the spool (segments stored but not deletable stay: looked up, never sent twice),
-        after as many passes as the spool held segments when it started (a spool that ranks still
-        write is not chased forever), or after ``deadline_s`` seconds. ``more`` is then still set.
+        rest stays for the next), when another shipper holds the spool, when a pass shipped
+        nothing, after as many passes as the spool held segments when it started (a spool that
+        ranks still write is not chased forever), or after ``deadline_s`` seconds. ``more`` is then
+        still set. Segments stored but not deletable stay in the spool, left out of later passes.
         The passes' results, summed."""
         t_end = None if deadline_s is None else time.monotonic() + deadline_s
         total = self.ship_once(wait_s=wait_s)
@@ -310,7 +336,7 @@ class Shipper:
                 break
             r = self.ship_once(wait_s=wait_s)
             total.add(r)
-            if not (r.removed or r.quarantined):
+            if not (r.segments or r.removed or r.quarantined):
                 break
         return total
 
@@ -338,8 +364,9 @@ class Shipper:
     def _ship_once(self) -> ShipResult:
         result = ShipResult()
         self._reload_journal()
+        self._retry_stuck(result)
         segments: list[Segment] = []
-        pending = self.pending()
+        pending = self.pending(skip=self._stuck)
         probing = bool(self.failures) and len(pending) > PROBE_SEGMENTS
         if self.failures:
             # the store failed last time: hold the budget now, and let a few segments find out

@@ -724,7 +724,8 @@ def collect(
     )
     store = _open_for_agent(store_url) if follow else _open(store_url)
     if not follow:
-        r = cfg.shipper(store).ship_all(wait_s=30.0)  # a pass takes 2000 segments: drain the spool
+        shipper = cfg.shipper(store)
+        r = shipper.ship_all(wait_s=30.0)  # a pass takes 2000 segments: drain the spool
         if r.busy and not r.segments:
             raise StoreUnavailableError(
                 f"another collector has been shipping {cfg.spool_dir} for 30 s; try again, or let it ship"
@@ -734,7 +735,9 @@ def collect(
         if r.busy:
             parts.append("another collector took the spool over and ships the rest")
         elif r.more and r.ok:
-            parts.append("segments left in the spool (stored but not deletable, or still being written): run it again")
+            parts.append("more segments than this run took (still being written?): run it again")
+        if shipper.undeletable:
+            parts.append(f"{shipper.undeletable} stored but not deletable (check the spool's permissions)")
         if r.quarantined:
             parts.append(f"{r.quarantined} quarantined")
         if r.already_stored:

@@ -327,12 +327,20 @@ def test_a_stored_segment_that_cannot_be_deleted_is_never_sent_twice(tmp_path, s
     r = sh.ship_once()
     assert r.ok and r.rows == {"collectives": 5} and len(sh.pending()) == 1 and sh.in_doubt
     assert "cannot be deleted" in caplog.text
-    r = sh.ship_once()  # looked up, not sent again
-    assert r.ok and r.already_stored == 1 and r.rows == {} and len(sh.pending()) == 1
+    r = sh.ship_once()  # its delete retried, nothing read, sent or asked
+    assert r.ok and r.segments == 0 and r.rows == {} and len(sh.pending()) == 1 and sh.undeletable == 1
     monkeypatch.setattr(pathlib.Path, "unlink", real_unlink)
     r = sh.ship_once()
-    assert r.ok and r.already_stored == 1 and sh.pending() == [] and not sh.in_doubt
+    assert r.ok and r.removed == 1 and sh.pending() == [] and not sh.in_doubt and sh.undeletable == 0
     assert _seqs(store) == list(range(5))
+    # another shipper (a restart) does not know it was stored: it asks the store, never sends twice
+    SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(1, start=5))
+    monkeypatch.setattr(pathlib.Path, "unlink", refused)
+    assert Shipper(tmp_path / "spool", store).ship_once().ok
+    monkeypatch.setattr(pathlib.Path, "unlink", real_unlink)
+    r = Shipper(tmp_path / "spool", store).ship_once()
+    assert r.ok and r.already_stored == 1 and r.rows == {} and sh.pending() == []
+    assert _seqs(store) == list(range(6))
 
 
 def test_a_lock_file_another_user_owns_is_still_a_lock(tmp_path, monkeypatch):
@@ -392,10 +400,10 @@ def test_ship_all_stops_at_a_failing_pass_and_keeps_the_rest(tmp_path, embedded_
     assert sh.ship_all().ok and _seqs(embedded_store) == list(range(5))
 
 
-def test_ship_all_ends_when_stored_segments_cannot_be_deleted(tmp_path, store, monkeypatch):
+def test_stored_segments_that_cannot_be_deleted_never_hold_back_newer_ones(tmp_path, store, monkeypatch):
     """Stored but not deletable (a spool whose permissions keep the collector out), more than a pass
-    holds: every pass would settle the same segments again; ship_all stops once a pass takes nothing
-    out of the spool, having sent each row once."""
+    holds: a pass used to take the same oldest segments again (settle them, fail to delete), so the
+    newer ones never shipped and ship_all never ended. They are left out of later passes now."""
     import pathlib
 
     w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
@@ -409,6 +417,9 @@ def test_ship_all_ends_when_stored_segments_cannot_be_deleted(tmp_path, store, m
         return real_unlink(self, missing_ok=missing_ok)
 
     monkeypatch.setattr(pathlib.Path, "unlink", refused)
-    r = Shipper(tmp_path / "spool", store, max_segments=2).ship_all()
-    assert r.ok and r.more and r.removed == 0 and r.passes == 2
-    assert _seqs(store) == [0, 1]  # the first pass's two segments, once; the others wait
+    sh = Shipper(tmp_path / "spool", store, max_segments=2)
+    r = sh.ship_all()
+    assert r.ok and not r.more and r.removed == 0 and r.passes == 3 and r.segments == 5
+    assert _seqs(store) == list(range(5)) and sh.undeletable == 5  # each row once
+    r = sh.ship_all()  # nothing new: one pass, nothing read or sent
+    assert r.ok and r.passes == 1 and r.segments == 0 and r.rows == {}
