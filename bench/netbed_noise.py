@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,8 +33,7 @@ from ranklens.analyzers.netbed import NetBed, unavailable_reason
 from ranklens.analyzers.tomography import SLOW, GroupTestingDetector
 from ranklens.collector import Shipper
 from ranklens.store import open_store
-
-JOB = Path(__file__).resolve().parents[1] / "tests" / "links_bed_job.py"
+from tests.links_bed import start_bed_job
 
 
 def run_bed(spec: list[tuple[str, str]], rate: str, tmp: Path) -> tuple[object, str]:
@@ -47,27 +45,7 @@ def run_bed(spec: list[tuple[str, str]], rate: str, tmp: Path) -> tuple[object, 
     job = f"noise-{uuid.uuid4().hex[:6]}"
     scenarios = ",".join(f"{name}:{rest}" for name, rest in spec)
     try:
-        env = {
-            **os.environ,
-            "WORLD_SIZE": "8",
-            "MASTER_ADDR": bed.address(0),
-            "MASTER_PORT": "29561",
-            "RANKLENS_SPOOL": str(tmp / "spool"),
-            "OMP_NUM_THREADS": "1",
-            "BED_JOB": job,
-            "BED_CTL": str(ctl),
-            "BED_SCENARIOS": scenarios,
-        }
-        procs = [
-            subprocess.Popen(
-                bed.command(r // 2, [sys.executable, str(JOB)]),
-                env={**env, **bed.env(r // 2), "RANK": str(r), "LOCAL_RANK": str(r % 2)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in range(8)
-        ]
+        procs = start_bed_job(bed, job=job, ctl=ctl, spool=tmp / "spool", scenarios=scenarios, port=29561)
         throttled = False
         for k, (name, _rest) in enumerate(spec):
             if k > 0:

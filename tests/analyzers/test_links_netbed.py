@@ -9,9 +9,7 @@ otherwise.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +22,7 @@ from ranklens.analyzers.netbed import NetBed, unavailable_reason
 from ranklens.analyzers.probe import attach_probe, plan_probe, run_probe
 from ranklens.collector import Shipper
 from ranklens.store import open_store
+from tests.links_bed import start_bed_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 # Readiness deadlines of the bed job's phases: 8 ranks on a loaded 2-core machine can take minutes
@@ -32,7 +31,6 @@ PHASE_S = 600
 
 RATE = "40mbit"
 NODES = 4
-JOB = Path(__file__).parent.parent.joinpath("links_bed_job.py")
 # rank 5 (node 2) computes 150 ms longer from step 1. The healthy run is the longest: "no finding" needs
 # enough windows that a burst of CPU contention on this 2-core VM (8 ranks) cannot look persistent.
 SCENARIOS = "healthy:10,throttled:5,straggler:7:5"
@@ -65,27 +63,7 @@ def bed_run(tmp_path_factory):
     job = f"bed-{uuid.uuid4().hex[:6]}"
     t0 = time.monotonic()
     try:
-        env = {
-            **os.environ,
-            "WORLD_SIZE": "8",
-            "MASTER_ADDR": bed.address(0),
-            "MASTER_PORT": "29533",
-            "RANKLENS_SPOOL": str(tmp / "spool"),
-            "OMP_NUM_THREADS": "1",
-            "BED_JOB": job,
-            "BED_CTL": str(ctl),
-            "BED_SCENARIOS": SCENARIOS,
-        }
-        procs = [
-            subprocess.Popen(
-                bed.command(r // 2, [sys.executable, str(JOB)]),
-                env={**env, **bed.env(r // 2), "RANK": str(r), "LOCAL_RANK": str(r % 2)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in range(8)
-        ]
+        procs = start_bed_job(bed, job=job, ctl=ctl, spool=tmp / "spool", scenarios=SCENARIOS, port=29533)
         _wait(ctl / "done-healthy", procs, PHASE_S)
         bed.throttle(3, RATE)
         (ctl / "go-throttled").write_text("")
