@@ -309,12 +309,11 @@ def test_ship_loop_close_is_bounded_while_the_store_hangs(tmp_path, embedded_sto
         release.set()
 
 
-def test_a_stored_segment_that_cannot_be_deleted_is_never_sent_twice(tmp_path, store, monkeypatch, caplog):
-    """A spool whose permissions keep the collector from deleting (no ACLs, a training umask):
-    the rows are stored once, the segment stays in doubt, and goes once deleting works again."""
+def _refusing_deletes():
+    """(real ``Path.unlink``, one that refuses to delete spool segments): a spool whose permissions
+    keep the collector from deleting (no ACLs, a training umask)."""
     import pathlib
 
-    SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(5))
     real_unlink = pathlib.Path.unlink
 
     def refused(self, missing_ok=False):
@@ -322,6 +321,16 @@ def test_a_stored_segment_that_cannot_be_deleted_is_never_sent_twice(tmp_path, s
             raise PermissionError(13, "Permission denied", str(self))
         return real_unlink(self, missing_ok=missing_ok)
 
+    return real_unlink, refused
+
+
+def test_a_stored_segment_that_cannot_be_deleted_is_never_sent_twice(tmp_path, store, monkeypatch, caplog):
+    """A spool whose permissions keep the collector from deleting (no ACLs, a training umask):
+    the rows are stored once, the segment stays in doubt, and goes once deleting works again."""
+    import pathlib
+
+    SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0).write("collectives", _rows(5))
+    real_unlink, refused = _refusing_deletes()
     monkeypatch.setattr(pathlib.Path, "unlink", refused)
     sh = Shipper(tmp_path / "spool", store)
     r = sh.ship_once()
@@ -409,13 +418,7 @@ def test_stored_segments_that_cannot_be_deleted_never_hold_back_newer_ones(tmp_p
     w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
     for i in range(5):
         w.write("collectives", _rows(1, start=i))
-    real_unlink = pathlib.Path.unlink
-
-    def refused(self, missing_ok=False):
-        if self.suffix != ".lock" and "spool" in self.parts and "_collector" not in self.parts:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_unlink(self, missing_ok=missing_ok)
-
+    _real_unlink, refused = _refusing_deletes()
     monkeypatch.setattr(pathlib.Path, "unlink", refused)
     sh = Shipper(tmp_path / "spool", store, max_segments=2)
     r = sh.ship_all()
