@@ -168,9 +168,9 @@ class Shipper:
         self.totals: dict[str, int] = {}
         self._observed: set[str] = set()  # segments already shown to on_segment
         self.in_doubt: set[str] = self._journal.load(self._all_segments)
-        self._undeletable_logged: set[str] = set()  # segments stored but not deletable, warned about once
-        # stored (the store acknowledged them) but not deletable: each pass retries the delete only,
-        # and leaves them out of what it reads, so they never hold back newer segments
+        # stored (the store acknowledged them) but not deletable, warned about once: each pass
+        # retries the delete only, and leaves them out of what it reads, so they never hold back
+        # newer segments
         self._stuck: set[str] = set()
         self._last_budget_check = -1e18
         # the budget may be held from another thread while a pass runs (Agent's budget loop):
@@ -266,12 +266,11 @@ class Shipper:
             )
 
     def _undeletable(self, rel: str, e: OSError) -> None:
-        self._stuck.add(rel)
-        if rel not in self._undeletable_logged:
-            self._undeletable_logged.add(rel)
+        if rel not in self._stuck:
+            self._stuck.add(rel)
             log.warning(
                 "ranklens collector: %s is stored but cannot be deleted (%s); it stays in the spool, "
-                "in doubt (looked up, never sent again): check the spool's permissions",
+                "never sent again (its delete is retried each pass): check the spool's permissions",
                 self.spool_dir / rel,
                 e,
             )
@@ -653,6 +652,8 @@ class ShipLoop:
         all within ``timeout_s`` (what is not shipped by then stays in the spool). Never raises.
         Returns whether the last pass ran to its end."""
         end = time.monotonic() + timeout_s
-        # the last pass drains the spool within what is left of the timeout (at least one pass)
-        last = lambda: self._pass(last=True, deadline_s=max(0.0, end - time.monotonic()))  # noqa: E731
+
+        def last() -> None:  # drains the spool within what is left of the timeout (at least one pass)
+            self._pass(last=True, deadline_s=max(0.0, end - time.monotonic()))
+
         return self._worker.close(timeout_s, final=last).final_ran

@@ -105,6 +105,11 @@ def _handler(name: str) -> Any:
     return call
 
 
+def _as_bytes(data: Any) -> bytes:
+    """A dump as bytes (the handlers answer bytes; a str from another torch is encoded)."""
+    return data if isinstance(data, bytes) else str(data).encode()
+
+
 def _int_at(data: bytes, pos: int) -> int:
     end = pos
     while end < len(data) and data[end] in b"-0123456789":
@@ -200,7 +205,7 @@ class RingReader:
                 data = dump()
                 if not data:
                     continue
-                entries, _lost = new_entries(data if isinstance(data, bytes) else str(data).encode(), -1)
+                entries, _lost = new_entries(_as_bytes(data), -1)
                 if entries:
                     self.last_ids[i] = max(self.last_ids[i], int(entries[-1]["record_id"]))
                 for e in entries:
@@ -232,7 +237,7 @@ class RingReader:
             data = dump()
             if not data:
                 continue
-            data = data if isinstance(data, bytes) else str(data).encode()
+            data = _as_bytes(data)
             self.last_data[i] = data
             entries, n = new_entries(data, self.last_ids[i])
             for e in entries:
