@@ -12,8 +12,11 @@ host CPU contention when the suspect's run delay exceeds its peers' (their media
 ``MAX_CPU_SHARE`` of ``E``: the rank did the same work as its peers and was late because it waited
 for a CPU. The collective also needs the backend's own threads (gloo's I/O loop, NCCL's proxy), so
 the process's run delay (all its threads', above its peers') explains it as well, when the process did
-no more CPU work than its peers'. A rank slowed by something of its own is not: sleeping
-or blocking on I/O is not runnable (no run delay), extra compute is CPU time. A finding so explained is not reported; a
+no more CPU work than its peers' (for a compute excess, only a process delay of the whole excess:
+:data:`MIN_PROC_DELAY_SHARE_COMPUTE`). A rank slowed by something of its own is not: sleeping or
+blocking on I/O is not runnable (no run delay of the training thread; its process's threads do wait
+more on a loaded host, inside the collectives it reaches last), extra compute is CPU time. A finding
+so explained is not reported; a
 :class:`Contention` note is, so the user still sees that the host is oversubscribed.
 """
 
@@ -32,6 +35,12 @@ __all__ = ["Contention", "CpuWindow", "cpu_window", "cpu_window_sql", "discount_
 
 MIN_DELAY_SHARE = 0.5  # run delay above the peers' explains at least this share of the excess...
 MAX_CPU_SHARE = 0.25  # ...and the rank's extra CPU time is at most this share of it
+# a compute excess (step minus collectives) is explained by the process's threads' run delay only when
+# it sums to the whole excess: the sum counts every thread's wait (intra-op threads share one stretch
+# of compute), and the backend's transfer threads wait inside collectives, which are not compute; a
+# rank that slept 20 ms/step in forward under four CPU hogs had its process wait 5-13 ms/step more
+# than its peers', its training thread -1..2 ms (a demo run was discounted at 12.7 of 21.4 ms)
+MIN_PROC_DELAY_SHARE_COMPUTE = 1.0
 PAD_NS = 2_500_000_000  # samples come with the tracer's flush (0.5 s by default): read this far around each end
 
 
@@ -168,11 +177,14 @@ class Contention:
 
 
 def explains(
-    cw: CpuWindow, rank: int, excess_per_step_s: float, step_s: float, *, proc: bool = False
+    cw: CpuWindow, rank: int, excess_per_step_s: float, step_s: float, *, proc: bool = False, compute: bool = False
 ) -> tuple[float, float] | None:
     """(run delay, CPU time) of ``rank`` above its peers' median per step when host CPU contention
     explains an excess of ``excess_per_step_s`` (see the module doc), else None. ``proc``: the
-    process's threads (transfers run on the backend's threads), not the training thread's."""
+    process's threads (transfers run on the backend's threads), not the training thread's.
+    ``compute``: the excess is compute time (the peer detector's, collectives left out), not a
+    lateness at the collectives (the blame detector's): the process's threads then explain it only
+    with :data:`MIN_PROC_DELAY_SHARE_COMPUTE` of it."""
     i = cw.index(rank)
     if i is None or len(cw.ranks) < 3 or not excess_per_step_s > 0 or not step_s > 0:
         return None
@@ -191,7 +203,8 @@ def explains(
         # contention), that is what the rank lost
         proc_x = cw.above_peers(i, cw.proc_delay_rate) * step_s
         proc_cpu_x = cw.above_peers(i, cw.proc_cpu_rate) * step_s
-        if proc_x >= MIN_DELAY_SHARE * excess_per_step_s and proc_cpu_x <= MAX_CPU_SHARE * excess_per_step_s:
+        share = MIN_PROC_DELAY_SHARE_COMPUTE if compute else MIN_DELAY_SHARE
+        if proc_x >= share * excess_per_step_s and proc_cpu_x <= MAX_CPU_SHARE * excess_per_step_s:
             return min(proc_x, excess_per_step_s), cpu_x
     return None
 

@@ -405,7 +405,7 @@ def discount_cpu_contention(
             continue
         t1 = f.last_seen_ns + int(step_s * 1e9)
         cw = cpu_window(store, f.job_id, f.attempt, f.first_seen_ns, t1)
-        why = explains(cw, rank, excess, step_s)
+        why = explains(cw, rank, excess, step_s, compute="excess_per_step_s" in ev)
         if why is None:
             i = cw.index(rank)
             if i is not None and len(cw.ranks) >= 3:

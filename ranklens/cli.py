@@ -156,6 +156,7 @@ def demo(
                     "wall_s": round(result.wall_s, 3),
                     "rows": result.rows,
                     "findings": [f.to_json() for f in result.findings],
+                    "host_cpu_contention": [c.to_json() for c in result.contention],
                 },
                 default=_json_default,
             )
@@ -163,6 +164,8 @@ def demo(
         return
     click.echo(f"job {result.job_id} finished in {result.wall_s:.1f} s; {rows:,} records collected into the store.")
     _print_findings(result.findings)
+    for c in result.contention:
+        click.echo(f"\nNote: {c.line()}")
     q = store_flag(store.url)
     click.echo("\nLook further:")
     prog = _prog()

@@ -44,6 +44,8 @@ class DemoResult:
     findings: list[Finding] = field(default_factory=list)
     log_dir: str = ""  # the job's log file (every rank's output, as torchrun prints it)
     drill: Any = None  # the drill's result (ranklens.drill.runner.DrillResult): the fault's scorecard
+    # a rank that was behind because the host starved it of CPU: a note, not a finding (as `analyze` says)
+    contention: list[Any] = field(default_factory=list)
 
 
 def run_demo(
@@ -123,7 +125,8 @@ def run_demo(
         except OSError:
             tail = ""
         raise DemoFailed(f"the demo job {why}; log {result.log_path}\n--- job log ---\n{tail}")
-    findings = find_stragglers(store, job_id, 0)
+    contention: list[Any] = []
+    findings = find_stragglers(store, job_id, 0, contention=contention)
     save_findings(store, findings)
     return DemoResult(
         job_id=job_id,
@@ -135,6 +138,7 @@ def run_demo(
         findings=findings,
         log_dir=result.log_path,
         drill=result,
+        contention=contention,
     )
 
 

@@ -28,7 +28,8 @@ def demo(*args: str, cwd) -> dict:
 def test_slowed_rank_is_named(tmp_path):
     out = demo("--slow-rank", "1", "--slowdown", "1.5", "--slow-from-step", "4", cwd=tmp_path)
     stragglers = [f for f in out["findings"] if f["kind"] == "straggler"]
-    assert len(stragglers) == 1, out["findings"]
+    # a CI run named nobody: rank 1's finding was taken for host CPU contention (its notes say so)
+    assert len(stragglers) == 1, (out["findings"], out["host_cpu_contention"])
     (f,) = stragglers
     assert [s["rank"] for s in f["suspects"]] == [1]
     assert 3 <= f["first_seen_step"] <= 6
