@@ -18,7 +18,7 @@ from typing import Any
 
 from ranklens.errors import IngestError
 from ranklens.formats.spool import SPOOL_FORMAT, SPOOL_VERSION  # one format: spool segments are ingestable
-from ranklens.records import arrow_schema, check_value, to_arrow
+from ranklens.records import arrow_array, arrow_schema, check_value, to_arrow
 from ranklens.schema import TABLES
 
 __all__ = ["read_file", "read_jsonl", "read_parquet"]
@@ -147,33 +147,9 @@ def _read_jsonl_fast(path: Path, table: str | None, content: bytes | None = None
             nan_either_way = c.type == "Float64" and default != default
             if c.required or (explicit.get(c.name) and not nan_either_way):
                 return None
-            col = pc.fill_null(col, _constant(field.type, default)[0])
+            col = pc.fill_null(col, arrow_array(field.type, [default])[0])
         columns.append(col)
     return name, pa.Table.from_arrays(columns, schema=target)
-
-
-def _constant(t: Any, value: Any) -> Any:
-    """A one-element Arrow array of type ``t`` holding ``value`` (a column's default), built from
-    buffers: ``pa.scalar``/``pa.array`` of a Python value import pandas (~0.15 s of a one-shot
-    ingest) to check whether it is one of pandas' types."""
-    import numpy as np
-    import pyarrow as pa
-
-    if pa.types.is_list(t):  # the only list default is []
-        return pa.Array.from_buffers(t, 1, [None, pa.py_buffer(np.zeros(2, np.int32))], children=[_empty(t.value_type)])
-    if pa.types.is_string(t):
-        data = str(value).encode()
-        return pa.Array.from_buffers(t, 1, [None, pa.py_buffer(np.array([0, len(data)], np.int32)), pa.py_buffer(data)])
-    return pa.Array.from_buffers(t, 1, [None, pa.py_buffer(np.array([value], t.to_pandas_dtype()))])
-
-
-def _empty(t: Any) -> Any:
-    import numpy as np
-    import pyarrow as pa
-
-    if pa.types.is_string(t):
-        return pa.Array.from_buffers(t, 0, [None, pa.py_buffer(np.zeros(1, np.int32)), pa.py_buffer(b"")])
-    return pa.Array.from_buffers(t, 0, [None, pa.py_buffer(b"")])
 
 
 def read_jsonl(path: str | Path, table: str | None = None, *, content: bytes | None = None) -> tuple[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ranklens.errors import ConfigError, SchemaVersionError, StoreAuthError, StoreError, StoreUnavailable
-from ranklens.records import decode_replacing
+from ranklens.records import arrow_array, decode_replacing
 from ranklens.schema import (
     META_TABLE,
     SCHEMA_VERSION,
@@ -672,23 +672,18 @@ def distributed_target(engine_full: str, default_db: str) -> tuple[str, str, str
 
 def _arrow_table(types: list[tuple[str, str]], columns: Any) -> Any:
     """A ``pyarrow.Table`` of the driver's columnar result (``columns[i]``: column ``i``'s values)."""
-    import numpy as np
     import pyarrow as pa
 
     arrays = {}
     for i, (name, ch_type) in enumerate(types):
         values = list(columns[i]) if columns else []
         t = _arrow_type(ch_type)
-        if t is not None and (pa.types.is_integer(t) or pa.types.is_floating(t)):
-            # numbers through numpy and a buffer: pa.array of a list imports pandas (issue 18)
-            buf = pa.py_buffer(np.array(values, dtype=t.to_pandas_dtype()))
-            arrays[name] = pa.Array.from_buffers(t, len(values), [None, buf])
-            continue
         try:
-            arrays[name] = pa.array(values, type=_arrow_type(ch_type))
+            # from buffers where the type allows (arrow_array): pa.array of a list imports pandas (issue 18)
+            arrays[name] = arrow_array(t, values) if t is not None else pa.array(values)
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             # the driver hands strings that are not UTF-8 over as bytes: U+FFFD, not a crash
-            arrays[name] = pa.array(decode_replacing(values), type=_arrow_type(ch_type))
+            arrays[name] = pa.array(decode_replacing(values), type=t)
     return pa.table(arrays) if arrays else pa.table({})
 
 

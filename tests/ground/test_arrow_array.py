@@ -1,0 +1,96 @@
+"""records.arrow_array: columns from buffers equal to pa.array's, and one-shot commands free of pandas.
+
+pyarrow imports pandas (~50 MB, ~0.2 s) on any ``pa.array`` of Python values or NumPy arrays, to
+check whether they are pandas'; arrow_array builds the schema's column types from buffers instead
+and hands everything else to ``pa.array`` (issue 17: a one-shot ingest's and analysis's peak RSS).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from ranklens.records import arrow_array, arrow_schema, arrow_table
+
+CASES = [
+    (pa.int64(), [1, -2, 2**62]),
+    (pa.int32(), [0, 2**31 - 1, -(2**31)]),
+    (pa.uint8(), [0, 255]),
+    (pa.uint64(), [0, 2**64 - 1]),
+    (pa.float64(), [1.5, -0.0, float("inf"), 3]),
+    (pa.float64(), [float("nan")]),
+    (pa.string(), ["a", "", "nccl:all_reduce", "ünïcödé ✓", "x" * 1000]),
+    (pa.string(), []),
+    (pa.int64(), []),
+    (pa.list_(pa.string()), [[], ["a", "é"], []]),
+    (pa.list_(pa.int64()), [[1, 2], [], [3]]),
+    (pa.list_(pa.string()), [[], []]),
+]
+
+
+@pytest.mark.parametrize("t,values", CASES, ids=lambda v: str(v)[:30])
+def test_equal_to_pa_array(t, values):
+    got = arrow_array(t, values)
+    want = pa.array(values, type=t)
+    got.validate(full=True)
+    assert got.type == t and len(got) == len(values)
+    assert got.to_pylist() == want.to_pylist() or (t == pa.float64() and np.isnan(got.to_pylist()).all())
+
+
+def test_numpy_and_arrow_inputs_and_a_checked_cast():
+    assert arrow_array(pa.int32(), np.array([1, 2], np.int64)).to_pylist() == [1, 2]
+    a = pa.array([1, 2], pa.int64())
+    assert arrow_array(pa.int64(), a) is a
+    assert arrow_array(pa.int32(), a).type == pa.int32()
+    # a sliced NumPy view (non-contiguous) is copied, not read past its stride
+    assert arrow_array(pa.int64(), np.arange(10, dtype=np.int64)[::3]).to_pylist() == [0, 3, 6, 9]
+
+
+def test_what_the_buffers_cannot_hold_goes_to_pa_array():
+    # out of range: pa.array's error, not a silent wrap
+    with pytest.raises(pa.ArrowInvalid):
+        arrow_array(pa.int32(), [2**40])
+    with pytest.raises((pa.ArrowInvalid, OverflowError)):
+        arrow_array(pa.uint8(), [-1])
+    # None: pa.array's null; a bool in an integer column: pa.array's type error
+    assert arrow_array(pa.int64(), [1, None]).to_pylist() == [1, None]
+    assert arrow_array(pa.string(), ["a", None]).to_pylist() == ["a", None]
+    with pytest.raises(pa.ArrowTypeError):
+        arrow_array(pa.int64(), [True])
+    # a lone surrogate cannot be UTF-8
+    with pytest.raises((pa.ArrowInvalid, UnicodeEncodeError)):
+        arrow_array(pa.string(), ["\udc80"])
+    # types that are not a plain buffer of NumPy values
+    assert arrow_array(pa.bool_(), [True, False, True]).to_pylist() == [True, False, True]
+
+
+def test_arrow_table_fills_defaults_and_names_an_unknown_column():
+    schema = arrow_schema("trace_events")
+    cols = {"job_id": ["j", "j"], "rank": [0, 1], "ts_ns": [1, 2], "cat": ["kernel"] * 2, "name": ["k", "ü"]}
+    t = arrow_table(cols, schema=schema)
+    assert t.schema == schema and t.num_rows == 2
+    assert t.column("name").to_pylist() == ["k", "ü"]
+    assert t.column("dur_ns").to_pylist() == [0, 0] and t.column("pg").to_pylist() == ["", ""]  # defaults
+    with pytest.raises(ValueError, match="no column nope"):
+        arrow_table({**cols, "nope": [1, 2]}, schema=schema)
+    with pytest.raises(ValueError, match="required column ts_ns"):
+        arrow_table({k: v for k, v in cols.items() if k != "ts_ns"}, schema=schema)
+
+
+def test_building_a_trace_batch_and_reading_a_query_result_do_not_import_pandas():
+    code = (
+        "import sys\n"
+        "from ranklens.records import arrow_schema, arrow_table\n"
+        "arrow_table({'job_id': ['j'] * 2, 'rank': [0, 1], 'ts_ns': [5, 6], 'cat': ['k', 'k'], 'name': ['a', 'b']},"
+        " schema=arrow_schema('trace_events'))\n"
+        "from ranklens.store.server import _arrow_table\n"
+        "_arrow_table([('a', 'Int64'), ('s', 'String'), ('l', 'Array(String)')], [[1, 2], ['x', 'y'], [['p'], []]])\n"
+        "print('pandas' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
