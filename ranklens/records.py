@@ -239,7 +239,7 @@ def to_arrow(table_name: str, rows: Iterable[Mapping[str, Any] | Any], *, valida
                 v = c.default_value()
             cols[c.name].append(v)
     schema = arrow_schema(t.name)
-    return pa.table({c.name: pa.array(cols[c.name], type=arrow_type(c)) for c in t.columns}, schema=schema)
+    return pa.Table.from_arrays([arrow_array(arrow_type(c), cols[c.name]) for c in t.columns], schema=schema)
 
 
 # --- strings that are not UTF-8 ----------------------------------------------------------------
@@ -287,7 +287,7 @@ def repair_utf8(data: pa.Table) -> pa.Table:
                 col.validate(full=True)
             except pa.ArrowInvalid:
                 values = decode_replacing(col.cast(binary).to_pylist())
-                col = pa.chunked_array([pa.array(values, type=field.type)], type=field.type)
+                col = pa.chunked_array([arrow_array(field.type, values)], type=field.type)
                 changed = True
         columns.append(col)
     return pa.Table.from_arrays(columns, schema=data.schema) if changed else data

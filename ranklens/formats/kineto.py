@@ -190,9 +190,25 @@ def iter_kineto_batches(
 ) -> Iterator[Any]:
     """Arrow batches of ``trace_events`` rows from one trace, streamed (``info``: the file's
     :func:`kineto_info`, when the caller has it already). Raises IngestError."""
+    import pyarrow as pa
+
     p = Path(path)
-    for ident, rows in _row_lists(p, job_id, attempt, rank, batch_rows, info):
-        yield _batch(rows, ident, p.name)
+    # a batch is built in pieces of Arrow (a Python tuple per event costs ~10x its Arrow row: 50,000
+    # of them were ~50 MB of a one-shot ingest's peak); a batch's rows and bounds stay the same
+    piece = _PIECE_ROWS if batch_rows % _PIECE_ROWS == 0 else batch_rows
+    pieces: list[Any] = []
+    held = 0
+    for ident, rows in _row_lists(p, job_id, attempt, rank, piece, info):
+        pieces.append(_batch(rows, ident, p.name))
+        held += len(rows)
+        if held >= batch_rows:
+            yield pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
+            pieces, held = [], 0
+    if pieces:
+        yield pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
+
+
+_PIECE_ROWS = 10_000
 
 
 def check_kineto(

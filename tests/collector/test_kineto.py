@@ -103,3 +103,21 @@ def test_epoch_microseconds_convert_exactly(embedded_store):
     want = sorted((e["ts"] * 1000, round(e["dur"] * 1000)) for e in ev)
     assert isinstance(ev[0]["ts"], int) and ev[0]["ts"] > 10**15
     assert got == want
+
+
+def test_batches_are_built_in_pieces_with_the_same_rows_and_bounds():
+    """A batch is built 10,000 events at a time (memory) and written whole: its rows and its bounds
+    (part of the write-once key of each batch) are those of a batch built at once."""
+    from ranklens.formats import kineto as K
+
+    trace = DATA / "hta_resnet_ddp_a100_rank0_of2" / "nccl_data.json.gz"
+    n = len(_complete_events(trace))
+    assert n > 20_000  # pieces: 10,000, 10,000, then the rest
+    pieced = list(K.iter_kineto_batches(trace, job_id="k", batch_rows=20_000))
+    assert [b.num_rows for b in pieced] == [20_000] * (n // 20_000) + ([n % 20_000] if n % 20_000 else [])
+    assert all(b.column("ts_ns").num_chunks == 2 for b in pieced[:-1])  # two pieces of 10,000
+    whole = list(K.iter_kineto_batches(trace, job_id="k", batch_rows=20_001))  # not a multiple: built at once
+    assert all(b.column("ts_ns").num_chunks == 1 for b in whole)
+    import pyarrow as pa
+
+    assert pa.concat_tables(pieced).equals(pa.concat_tables(whole))
