@@ -202,7 +202,11 @@ def arrow_array(t: pa.DataType, values: Any) -> pa.Array:
 
 
 def empty_arrow(table_name: str) -> pa.Table:
-    return arrow_schema(table_name).empty_table()
+    """A table of ``table_name``'s schema with no rows (``Schema.empty_table`` imports pandas)."""
+    import pyarrow as pa
+
+    schema = arrow_schema(table_name)
+    return pa.Table.from_arrays([arrow_array(f.type, []) for f in schema], schema=schema)
 
 
 def to_arrow(table_name: str, rows: Iterable[Mapping[str, Any] | Any], *, validate: bool = True) -> pa.Table:
