@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ranklens.errors import StoreError
 from ranklens.schema import INGEST_ID, TABLES
-from ranklens.store.api import Store, SupportsDiscardIngest
+from ranklens.store.api import Store, SupportsDiscardIngest, SupportsIngestRows
 
 if TYPE_CHECKING:
     from ranklens.collector.shipper import ShipResult
@@ -102,6 +102,8 @@ def present(store: Store, table_name: str, ids: Sequence[int], job_ids: Sequence
     ``job_ids`` where the table is ordered by job)."""
     from ranklens.store.api import sql_string
 
+    if isinstance(store, SupportsIngestRows):
+        return store.ingest_rows(table_name, ids)
     found: dict[int, int] = {}
     t = TABLES[table_name]
     for i in range(0, len(ids), 1000):

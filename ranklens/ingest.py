@@ -13,9 +13,7 @@ interrupted ingest, is discarded and written again), however it was renamed or m
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -73,20 +71,15 @@ def ingest_paths(
     """
     import pyarrow as pa
 
-    warm = _warm_up(store)
-    try:
-        files: dict[str, dict[int, Any]] = {}  # table -> ingest_id -> rows (the same file twice: once)
-        for p in expand(paths):
-            name, data = read_file(p, fmt, table)
-            iid = file_ingest_id(p, name)
-            data = stamp(data, iid)
-            if data.num_rows:
-                files.setdefault(name, {})[iid] = data
-            if progress:
-                progress(p)
-    finally:
-        if warm is not None:
-            warm.join()
+    files: dict[str, dict[int, Any]] = {}  # table -> ingest_id -> rows (the same file twice: once)
+    for p in expand(paths):
+        name, data = read_file(p, fmt, table)
+        iid = file_ingest_id(p, name)
+        data = stamp(data, iid)
+        if data.num_rows:
+            files.setdefault(name, {})[iid] = data
+        if progress:
+            progress(p)
     merged: dict[str, Any] = {}
     for name, by_id in files.items():
         stored = stored_ingest_rows(store, name, sorted(by_id))
@@ -103,19 +96,3 @@ def ingest_paths(
         if fresh:
             merged[name] = pa.concat_tables(fresh)
     return store.write_many(merged) if merged else {}
-
-
-def _warm_up(store: Store) -> threading.Thread | None:
-    """Start an embedded store's first query on a thread while the files are read and checked
-    (issue 18): it imports chDB and opens its session (~0.25 s of a one-shot ingest), and Arrow's
-    JSON and Parquet readers leave the GIL to it. Its errors are the later queries' to report."""
-    if getattr(store, "backend", None) != "embedded":
-        return None  # a server store is connected (and its driver imported) when opened
-
-    def run() -> None:
-        with contextlib.suppress(Exception):
-            store.query("SELECT 1")
-
-    t = threading.Thread(target=run, name="ranklens-ingest-warm-up", daemon=True)
-    t.start()
-    return t

@@ -20,6 +20,7 @@ from ranklens.store.api import (
     Store,
     SupportsCompact,
     SupportsDiscardIngest,
+    SupportsIngestRows,
     check_batch_rows,
 )
 
@@ -32,6 +33,7 @@ __all__ = [
     "Store",
     "SupportsCompact",
     "SupportsDiscardIngest",
+    "SupportsIngestRows",
     "default_store_url",
     "open_store",
 ]

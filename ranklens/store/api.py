@@ -25,6 +25,7 @@ __all__ = [
     "Store",
     "SupportsCompact",
     "SupportsDiscardIngest",
+    "SupportsIngestRows",
     "arrow_batch",
     "check_batch_rows",
     "read_only_statement",
@@ -206,6 +207,16 @@ class SupportsDiscardIngest(Protocol):
         removed by it. The removed rows are gone for later queries on return, except on a
         ClickHouse cluster whose deletion waits for a replica that is down (the server store
         then warns, and the rows go when that replica is back)."""
+        ...
+
+
+@runtime_checkable
+class SupportsIngestRows(Protocol):
+    """A store that counts the rows of given ``ingest_id`` batches without a query (the embedded
+    store reads its parts' Parquet footers: a one-shot ingest then never starts chDB)."""
+
+    def ingest_rows(self, table: str, ingest_ids: Iterable[int]) -> dict[int, int]:
+        """Rows per ``ingest_id`` of ``ingest_ids`` that ``table`` holds (ids it lacks are absent)."""
         ...
 
 

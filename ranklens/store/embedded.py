@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ranklens.errors import SchemaVersionError, StoreError, StoreUnavailable
-from ranklens.records import empty_arrow, repair_utf8
+from ranklens.records import arrow_array, empty_arrow, repair_utf8
 from ranklens.schema import SCHEMA_VERSION, TABLES, table
 from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, _code_tokens, arrow_batch, check_batch_rows, rebatch
 from ranklens.store.api import sql_string as _sql_quote
@@ -274,7 +274,7 @@ class EmbeddedStore:
         import pyarrow.parquet as pq
 
         name = table(table_name).name
-        ids = pa.array(sorted({int(i) for i in ingest_ids}), type=pa.uint64())
+        ids = arrow_array(pa.uint64(), sorted({int(i) for i in ingest_ids}))
         removed = 0
         with self._locked():
             m = self._read_manifest()
@@ -298,6 +298,46 @@ class EmbeddedStore:
                 m["generation"] += 1
                 self._write_json("manifest.json", m)
         return removed
+
+    def ingest_rows(self, table_name: str, ingest_ids: Iterable[int]) -> dict[int, int]:
+        """Rows per ``ingest_id`` of ``ingest_ids`` that the table holds, from its parts' Parquet
+        footers: a written part's row groups hold one batch each (min = max of ``ingest_id`` says
+        which, and the row count how many), and only a row group of several batches (a compacted
+        part) whose range holds an id asked for is read, that column only. No chDB query: a one-shot
+        ``ranklens ingest`` never starts chDB (~250 MB and ~0.3 s of the command)."""
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        want = {int(i) for i in ingest_ids}
+        found: dict[int, int] = {}
+        if not want:
+            return found
+        name = table(table_name).name
+        lo_w, hi_w = min(want), max(want)
+        d = self.root / "parts" / name
+        try:
+            for part, _rows in self._read_manifest()["tables"].get(name, []):
+                f = pq.ParquetFile(d / part)
+                md = f.metadata
+                col = f.schema_arrow.get_field_index("ingest_id")
+                for g in range(md.num_row_groups):
+                    rg = md.row_group(g)
+                    st = rg.column(col).statistics
+                    if st is not None and st.has_min_max:
+                        lo, hi = int(st.min), int(st.max)
+                        if hi < lo_w or lo > hi_w:
+                            continue
+                        if lo == hi:
+                            if lo in want:
+                                found[lo] = found.get(lo, 0) + rg.num_rows
+                            continue
+                    vc = pc.value_counts(f.read_row_group(g, columns=["ingest_id"]).column(0))
+                    for v, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist(), strict=True):
+                        if v in want:
+                            found[v] = found.get(v, 0) + n
+        except OSError as e:
+            raise StoreUnavailable(f"cannot read the embedded store at {self.root}: {e}") from e
+        return found
 
     # -- reading ------------------------------------------------------------------------
     def parts(self, table_name: str) -> list[str]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from ranklens.errors import IngestError
 from ranklens.schema import INGEST_ID
-from ranklens.store.api import Store, SupportsDiscardIngest
+from ranklens.store.api import Store, SupportsDiscardIngest, SupportsIngestRows
 
 __all__ = ["key_ingest_id", "stamp", "stored_ingest_rows", "write_once"]
 
@@ -41,6 +41,8 @@ def stamp(data: Any, ingest_id: int) -> Any:
 
 def stored_ingest_rows(store: Store, table: str, ids: Sequence[int]) -> dict[int, int]:
     """Rows per ``ingest_id`` that the store already holds in ``table``."""
+    if isinstance(store, SupportsIngestRows):
+        return store.ingest_rows(table, ids)
     found: dict[int, int] = {}
     for i in range(0, len(ids), 1000):
         chunk = ", ".join(str(int(x)) for x in ids[i : i + 1000])
