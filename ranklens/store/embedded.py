@@ -38,7 +38,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ranklens.errors import SchemaVersionError, StoreError, StoreUnavailable
+from ranklens.errors import ConfigError, SchemaVersionError, StoreError, StoreUnavailable
 from ranklens.records import arrow_array, empty_arrow, repair_utf8
 from ranklens.schema import SCHEMA_VERSION, TABLES, table
 from ranklens.store.api import DEFAULT_BATCH_ROWS, QueryResult, _code_tokens, arrow_batch, check_batch_rows, rebatch
@@ -103,6 +103,13 @@ class EmbeddedStore:
 
     def __init__(self, root: str | os.PathLike[str], *, create: bool = True, check_version: bool = True) -> None:
         self.root = Path(root).expanduser().resolve()
+        if "{" in str(self.root) or "}" in str(self.root):
+            # chDB reads the parts through file('<root>/parts/t/{a,b}.parquet'): braces in the root
+            # would be glob alternatives too, and the store would read nothing, silently
+            raise ConfigError(
+                f"the embedded store's directory {str(self.root)!r} contains '{{' or '}}', which chDB reads as "
+                "a file glob (it would find none of the store's files): choose a directory without braces"
+            )
         self.url = f"embedded://{self.root}"
         self._db = "rl_" + hashlib.sha1(str(self.root).encode()).hexdigest()[:12]
         self._views: dict[str, tuple[str, ...]] = {}

@@ -119,6 +119,18 @@ def test_embedded_missing_store_without_create(tmp_path):
         open_store(f"embedded://{tmp_path}/absent", create=False)
 
 
+def test_embedded_store_in_a_directory_with_odd_characters(tmp_path):
+    # quotes, spaces and glob characters other than braces are read back; braces (glob alternatives
+    # in chDB's file()) made the store read nothing after a write: now a clear error
+    for name in ("q'x", "s x", "st*r", "qm?x", "br[a]"):
+        s = open_store(f"embedded://{tmp_path / name}")
+        s.write("collectives", [ROW])
+        assert s.query("SELECT count() FROM collectives").scalar() == 1, name
+    with pytest.raises(ConfigError, match="braces"):
+        open_store(f"embedded://{tmp_path / 'b{x}'}")
+    assert not (tmp_path / "b{x}").exists()
+
+
 def test_embedded_write_failure_commits_nothing(embedded_store):
     import shutil
 
