@@ -39,6 +39,9 @@ from ranklens.store.api import sql_escape as _esc
 __all__ = ["HangConfig", "LiveRank", "detect_live_hangs"]
 
 DETECTOR = "live_hangs"
+# a rank's heartbeat phases inside a training step (the tracer's own, inferred or marked):
+# HangConfig.fast_stall_s applies to a rank stuck in one of them
+MID_STEP_PHASES = frozenset({"data", "forward", "backward", "optimizer"})
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,15 @@ class HangConfig:
         live_window_s: heartbeats older than this (every rank) mean the job is not running.
         startup_stall_s: the threshold while the job has no pace yet (fewer than ``min_history``
             completed collectives and no completed step).
+        fast_stall_s: the floor instead of ``min_stall_s`` when the job has its pace from completed
+            steps and the rank holding the others up is, by its fresh heartbeat, inside a step's
+            data loading or compute (:data:`MID_STEP_PHASES`): a fast-stepping job stuck there for
+            dozens of steps' time is hung. Between steps, where checkpoints, evaluation and logging
+            run, or with no fresh heartbeat, ``min_stall_s`` holds.
     """
 
     min_stall_s: float = 10.0
+    fast_stall_s: float = 5.0
     step_multiple: float = 5.0
     heartbeat_stale_s: float = 5.0
     live_window_s: float = 120.0
@@ -63,7 +72,14 @@ class HangConfig:
     min_history: int = 20
 
     def __post_init__(self) -> None:
-        for name in ("min_stall_s", "step_multiple", "heartbeat_stale_s", "live_window_s", "startup_stall_s"):
+        for name in (
+            "min_stall_s",
+            "fast_stall_s",
+            "step_multiple",
+            "heartbeat_stale_s",
+            "live_window_s",
+            "startup_stall_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"HangConfig.{name}={getattr(self, name)} must be >= 0")
 
@@ -226,6 +242,10 @@ def detect_live_hangs(
         threshold_s = max(cfg.min_stall_s, cfg.step_multiple * max(step_s, coll_s))
     else:
         threshold_s = max(cfg.min_stall_s, cfg.startup_stall_s)
+    # the threshold for an origin stuck inside a step (see HangConfig.fast_stall_s); never above threshold_s
+    fast_s = threshold_s
+    if history >= cfg.min_history and step_s > 0:
+        fast_s = min(threshold_s, max(cfg.fast_stall_s, cfg.step_multiple * max(step_s, coll_s)))
     exit_codes = exit_codes or {}
     gone = {(r.host, r.pid) for r in ranks.values() if r.gone}
     if gone:  # the node's collector saw these processes disappear: no need to be on their host
@@ -243,7 +263,7 @@ def detect_live_hangs(
     # it a moment after the origin's group stalled, and a pass between the two must still see it)
     for r in ranks.values():
         for key, info in r.pending.items():
-            if (now - info[2]) / 1e9 >= threshold_s / 2:
+            if (now - info[2]) / 1e9 >= fast_s / 2:
                 stuck.setdefault(key, {})[r.rank] = info
     findings: list[Finding] = []
 
@@ -361,17 +381,26 @@ def detect_live_hangs(
             )
             continue
         held_up(key)
-    # a root whose collectives are all stuck only half the threshold is not one yet
-    roots = {r: ks for r, ks in roots.items() if any(pics[k]["stuck_s"] >= threshold_s for k in ks)}
+
+    def origin_threshold(root: int) -> float:
+        """fast_s for an origin whose fresh heartbeat says it is inside a step, else threshold_s."""
+        hb = ranks.get(root)
+        inside = hb is not None and not stale(root) and hb.phase in MID_STEP_PHASES
+        return fast_s if inside else threshold_s
+
+    # a root whose collectives are all stuck under its threshold is not one yet
+    need = {r: origin_threshold(r) for r in roots}
+    roots = {r: ks for r, ks in roots.items() if any(pics[k]["stuck_s"] >= need[r] for k in ks)}
     for root, keys in roots.items():
         # The origin group: where the root is itself missing and nobody else is (the others missing
         # from a group are victims stuck elsewhere); among those, the one stuck the longest.
         keys = sorted(keys, key=lambda k: -pics[k]["stuck_s"])
-        direct = [k for k in keys if root in pics[k]["missing"] and pics[k]["stuck_s"] >= threshold_s] or keys[:1]
+        direct = [k for k in keys if root in pics[k]["missing"] and pics[k]["stuck_s"] >= need[root]] or keys[:1]
         okey = min(direct, key=lambda k: (len(pics[k]["missing"]), -pics[k]["stuck_s"]))
         blocked = [pics[k] for k in keys if k != okey]
+        opic = {**pics[okey], "threshold_s": round(need[root], 3)}
         findings.append(
-            _origin_finding(job_id, attempt, root, pics[okey], blocked, ranks, stale(root), pid_alive, exit_codes, now)
+            _origin_finding(job_id, attempt, root, opic, blocked, ranks, stale(root), pid_alive, exit_codes, now)
         )
     findings.extend(_dead_ranks(store, job_id, attempt, ranks, roots, stale, pid_alive, exit_codes, now, world))
     return findings

@@ -83,3 +83,47 @@ def test_a_group_the_origin_blocks_is_its_cascade_before_it_is_stuck_the_full_th
     embedded_store.write("heartbeats", [dict(_hb2(2, ("2", 5, 6)), ts_ns=NOW + 1)])
     later = detect_live_hangs(embedded_store, "j", config=cfg, now_ns=NOW + 2, pid_alive=lambda h, p: True)
     assert later == []
+
+
+def _paced_job(store, origin_phase: str, stuck_s: float, *, step_s: float = 0.2) -> list:
+    """Ranks 0, 1, 3 wait ``stuck_s`` in the world all_reduce; rank 2 (fresh heartbeats) is in
+    ``origin_phase``; the job has a pace of its own: 30 completed steps of ``step_s``."""
+    rows = []
+    for r in range(4):
+        hb = _hb(r, 0.2, pending=r != 2)
+        hb.update(pending_enter_ns=[NOW - int(stuck_s * S)] if r != 2 else [], phase="" if r != 2 else origin_phase)
+        rows.append(hb)
+    store.write("heartbeats", rows)
+    store.write("ranks", [{"job_id": "j", "attempt": 0, "rank": r, "world_size": 4} for r in range(4)])
+    t0 = NOW - 60 * S
+    store.write(
+        "steps",
+        [
+            {"job_id": "j", "attempt": 0, "rank": r, "step": i, "start_ns": t0 + int(i * step_s * S),
+             "end_ns": t0 + int((i + 1) * step_s * S)}
+            for r in range(4) for i in range(30)
+        ],
+    )  # fmt: skip
+    return detect_live_hangs(store, "j", now_ns=NOW, pid_alive=lambda h, p: True)
+
+
+def test_a_rank_stuck_inside_a_step_of_a_fast_job_is_named_after_5_s_between_steps_after_10(tmp_path):
+    from ranklens.store import open_store
+
+    stores = iter(range(100))
+
+    def named(phase: str, stuck_s: float, **kw) -> list:
+        store = open_store(f"embedded://{tmp_path}/store{next(stores)}")
+        found = _paced_job(store, phase, stuck_s, **kw)
+        return [(f.kind, [s.rank for s in f.suspects], f.evidence["threshold_s"]) for f in found]
+
+    # inside a step (its forward, backward, optimizer or data loading): 5 s, the floor of a fast job
+    for phase in ("forward", "backward", "optimizer", "data"):
+        assert named(phase, 6) == [("hang", [2], 5.0)], phase
+    assert named("forward", 4) == []
+    # between steps (a checkpoint, an evaluation, logging: phase '' or the script's own): 10 s
+    assert named("", 6) == [] and named("checkpoint", 6) == []
+    assert named("", 11) == [("hang", [2], 10.0)]
+    # a slow job's own pace sets it higher: 5 x its 1.6 s step
+    assert named("forward", 6, step_s=1.6) == []
+    assert named("forward", 8.5, step_s=1.6) == [("hang", [2], 8.0)]
