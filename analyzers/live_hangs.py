@@ -41,7 +41,8 @@ __all__ = ["HangConfig", "LiveRank", "detect_live_hangs"]
 DETECTOR = "live_hangs"
 # a rank's heartbeat phases inside a training step (the tracer's own, inferred or marked):
 # HangConfig.fast_stall_s applies to a rank stuck in one of them
-MID_STEP_PHASES = frozenset({"data", "forward", "backward", "optimizer"})
+# (the tracer's step inference also says after_forward / after_backward for the gaps between them)
+MID_STEP_PHASES = frozenset({"data", "forward", "after_forward", "backward", "after_backward", "optimizer"})
 
 
 @dataclass(frozen=True)

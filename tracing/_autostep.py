@@ -75,6 +75,10 @@ def _remove_hooks(handles: list[Any]) -> None:
             pass
 
 
+# the heartbeat phases of the gaps inside a step (see AutoStep._gap), and "" between steps
+_GAPS = frozenset({"", "after_forward", "after_backward"})
+
+
 class AutoStep:
     """Infers the steps and phases of one rank (see the module doc). Install with :meth:`install`;
     every hook is a no-op once the tracer is disabled, and none raises into the training code.
@@ -320,6 +324,15 @@ class AutoStep:
             if prev is not None:
                 self.t._phase, self.t._phase_start = prev
 
+    def _gap(self, name: str, now: int) -> None:
+        """Between a step's phases (the loss after the forward, clipping after the backward), what
+        the heartbeats say is ``name``, not the empty phase between steps (where checkpoints and
+        evaluation run): the live hang detector names a rank stuck inside a step sooner
+        (``analyzers/live_hangs.py`` ``MID_STEP_PHASES``). ``""`` closes the step. No phase rows."""
+        t = self.t
+        if self.phases_on and t._phase in _GAPS:
+            t._phase, t._phase_start = name, now
+
     # -- data -------------------------------------------------------------------------------
     def data_wait(self, orig: Any, it: Any) -> Any:
         """``next()`` on a DataLoader iterator, timed (called by ``_dataloader`` while steps are
@@ -366,6 +379,7 @@ class AutoStep:
         end = self.clock()
         self._phase("forward", self._fwd_start, end)
         self._leave_phase()
+        self._gap("after_forward", end)
         self._fwd_start = 0
         self._fwd_end = end
         self._bwd_since_fwd = False
@@ -460,6 +474,7 @@ class AutoStep:
         try:
             end = self.clock()
             self._leave_phase()
+            self._gap("after_backward", end)
             self._bwd_end = end
             self._bwd_since_fwd = True
             self._phase("backward", start, end)
@@ -506,6 +521,7 @@ class AutoStep:
             # with a closure (Lightning, LBFGS) the forward and backward ran inside step()
             start = max(self._opt_start, self._fwd_end, self._bwd_end)
             self._leave_phase()
+            self._gap("", end)  # the step is over
             self._phase("optimizer", start, end)
         except Exception:
             self.t.count_drop("autostep:error")

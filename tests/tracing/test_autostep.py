@@ -473,3 +473,35 @@ def test_job_with_explicit_markers_stores_explicit_steps_only(tmp_path):
     dup = q("SELECT rank, step, phase, count() AS n FROM phases GROUP BY rank, step, phase HAVING n > 1").rows()
     assert dup == []
     assert q("SELECT count() FROM phases").scalar() == 4 * 5 * 4
+
+
+def test_heartbeats_say_where_inside_a_step_a_rank_is_and_nothing_between_steps(traced):
+    """The live hang detector names a rank stuck inside a step after 5 s, between steps (checkpoints,
+    evaluation) after 10: the heartbeat's phase tells them apart, also in the gaps between phases."""
+    model, lossf = _model(), torch.nn.MSELoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[tuple[str, str]] = []
+    model[0].weight.register_hook(lambda g: seen.append(("in backward", traced._phase)))
+    for it, (x, y) in enumerate(_loader(6)):
+        loss = lossf(model(x), y)
+        seen.append(("after forward", traced._phase))
+        if it % 2 == 0:  # gradient accumulation over two micro-batches: forward, backward, forward, backward
+            loss.backward()
+            seen.append(("after backward", traced._phase))
+            continue
+        loss.backward()
+        seen.append(("after backward", traced._phase))
+        opt.step()
+        opt.zero_grad()
+        seen.append(("after optimizer", traced._phase))
+        with torch.no_grad():
+            model(x)  # evaluation between steps
+        seen.append(("after evaluation", traced._phase))
+    late = seen[len(seen) // 2 :]  # once the model and optimizer are known
+    assert set(late) == {
+        ("after forward", "after_forward"),
+        ("in backward", "backward"),
+        ("after backward", "after_backward"),
+        ("after optimizer", ""),
+        ("after evaluation", ""),
+    }, seen
