@@ -30,6 +30,7 @@ from ranklens.store.api import (
     Store,
     SupportsCompact,
     SupportsDiscardIngest,
+    SupportsIngestRows,
     check_batch_rows,
 )
 
@@ -50,10 +51,18 @@ class _PassCompact:
         return dict(self._call("compact", self.inner.compact, args, kwargs))
 
 
+class _PassIngestRows:
+    """:class:`~ranklens.store.api.SupportsIngestRows`, passed to ``inner`` through ``_call``."""
+
+    def ingest_rows(self: Any, table: str, ingest_ids: Iterable[int]) -> dict[int, int]:
+        return dict(self._call("ingest_rows", self.inner.ingest_rows, (table, ingest_ids), {}))
+
+
 # the optional capabilities of store.api a wrapper passes on when its inner store offers them
 _CAPABILITIES: tuple[tuple[type, type], ...] = (
     (SupportsDiscardIngest, _PassDiscardIngest),
     (SupportsCompact, _PassCompact),
+    (SupportsIngestRows, _PassIngestRows),
 )
 _with_capabilities: dict[tuple[type, tuple[type, ...]], type] = {}
 

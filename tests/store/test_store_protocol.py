@@ -11,7 +11,7 @@ import pytest
 
 from ranklens.errors import StoreError, StoreUnavailable
 from ranklens.records import to_arrow
-from ranklens.store import LazyStore, Store, SupportsCompact, SupportsDiscardIngest
+from ranklens.store import LazyStore, Store, SupportsCompact, SupportsDiscardIngest, SupportsIngestRows
 from ranklens.store.testing import DownStore, FlakyStore, RecordingStore, SlowStore
 
 ROW = {"job_id": "j", "rank": 1, "pg": "0", "seq": 0, "op": "all_reduce", "enter_ns": 1_790_000_000_000_000_123}
@@ -253,7 +253,9 @@ def test_write_once_discards_a_half_stored_batch_through_the_capability(store):
     store.write("collectives", stamp(data.slice(0, 2), iid))  # an earlier write interrupted half-way
     rec = RecordingStore(store)
     assert write_once(rec, {"collectives": data}, [b"k"]) == ({"collectives": 4}, {})
-    assert rec.ops() == ["query", "discard_ingest", "write_many"]
+    # "which rows are stored?": a query, or the embedded store's footers (SupportsIngestRows)
+    asked = "ingest_rows" if store.backend == "embedded" else "query"
+    assert rec.ops() == [asked, "discard_ingest", "write_many"]
     assert store.query("SELECT count() FROM collectives").scalar() == 4
     assert write_once(rec, {"collectives": data}, [b"k"]) == ({}, {"collectives": 4})  # and not again
 
@@ -277,3 +279,7 @@ def test_every_store_has_the_protocols_signatures(embedded_store):
     for cls in (EmbeddedStore, ServerStore, LazyStore):  # the server's own keyword (timeout_s) is extra
         assert shape(cls.discard_ingest)[:2] == shape(SupportsDiscardIngest.discard_ingest), cls.__name__
     inspect.signature(EmbeddedStore.compact).bind(embedded_store)  # callable as SupportsCompact.compact()
+    assert shape(EmbeddedStore.ingest_rows) == shape(SupportsIngestRows.ingest_rows)
+    rec = RecordingStore(embedded_store)  # a wrapper passes the capability on through its _call
+    assert isinstance(rec, SupportsIngestRows) and rec.ingest_rows("collectives", [1]) == {}
+    assert rec.ops() == ["ingest_rows"]
