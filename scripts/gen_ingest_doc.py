@@ -17,7 +17,10 @@ Ingesting is idempotent: a file's rows carry an `ingest_id` hashed from its tabl
 and a file whose rows the store already holds (under any name) is skipped and said so; a file
 the store holds in part (an ingest interrupted between blocks) is discarded and written again.
 Kineto traces and flight-recorder dumps are stamped the same way (from their content, job and
-attempt).
+attempt). Into the embedded store, the question "which of these does the store hold?" is answered
+from its Parquet parts' footers (each written batch is one `ingest_id`), so an ingest never starts
+chDB: `ranklens ingest` of 200,000 collectives (47 MB of JSONL) peaks at ~225 MB of memory rather
+than ~490 MB.
 
 ## JSON Lines
 
