@@ -10,6 +10,10 @@ from pathlib import Path
 from typing import Any
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+# torch's gloo aborts a rank in its teardown now and then (std::terminate of a joinable thread at
+# exit), also with tracing off (seen in two fresh-clone CI runs): a job that failed with this, and
+# only this, is run once more by the tests whose subject is not teardown
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def ranklens(

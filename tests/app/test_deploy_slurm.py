@@ -17,7 +17,7 @@ import pytest
 
 from ranklens.cli import cli
 from ranklens.collector.agent import load_config
-from tests._jobs import TORCHRUN
+from tests._jobs import GLOO_TEARDOWN_ABORT, TORCHRUN
 from tests._sync import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,35 +197,40 @@ def test_job_script_traces_a_torchrun_job_without_slurm(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     (tmp_path / "train.py").write_text(TRAIN)
-    logs, spool = tmp_path / "logs", tmp_path / "spool"
-    logs.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANKLENS_", "SLURM_", "TORCHELASTIC_"))}
-    env.update(
-        PATH=os.pathsep.join([str(bin_dir), str(Path(TORCHRUN).parent), env.get("PATH", "")]),
-        SLURM_JOB_ID="4242",
-        SLURM_NNODES="1",
-        SLURM_JOB_NODELIST="localhost",
-        RANKLENS=RANKLENS,
-        GPUS_PER_NODE="2",
-        LOG_DIR=str(logs),
-        RANKLENS_SPOOL=str(spool),
-        RDZV_PORT=str(free_port()),
-        OMP_NUM_THREADS="1",
-    )
-    r = subprocess.run(
-        ["bash", str(SLURM / "train.sbatch"), str(tmp_path / "train.py")],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    (log,) = logs.glob("slurm-4242-*.log")
-    assert log.name == f"slurm-4242-{socket.gethostname().split('.')[0]}.log"
-    text = log.read_text()
+    for attempt in range(2):
+        logs, spool = tmp_path / f"logs{attempt}", tmp_path / f"spool{attempt}"
+        logs.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RANKLENS_", "SLURM_", "TORCHELASTIC_"))}
+        env.update(
+            PATH=os.pathsep.join([str(bin_dir), str(Path(TORCHRUN).parent), env.get("PATH", "")]),
+            SLURM_JOB_ID="4242",
+            SLURM_NNODES="1",
+            SLURM_JOB_NODELIST="localhost",
+            RANKLENS=RANKLENS,
+            GPUS_PER_NODE="2",
+            LOG_DIR=str(logs),
+            RANKLENS_SPOOL=str(spool),
+            RDZV_PORT=str(free_port()),
+            OMP_NUM_THREADS="1",
+        )
+        r = subprocess.run(
+            ["bash", str(SLURM / "train.sbatch"), str(tmp_path / "train.py")],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        (log,) = logs.glob("slurm-4242-*.log")
+        assert log.name == f"slurm-4242-{socket.gethostname().split('.')[0]}.log"
+        text = log.read_text()
+        if r.returncode == 0 or attempt or GLOO_TEARDOWN_ABORT not in text:
+            break
+        # a CI run: rank 0 aborted in gloo's teardown after the job's work (not the script's subject)
+        print("a rank aborted in gloo's teardown; running the job again", file=sys.stderr)
     assert r.returncode == 0, r.stderr[-3000:] + text[-3000:]
-    # the ranks traced under Slurm's job id, each in the node's spool
     assert "ranklens run: job slurm-4242, spool" in text
+    # the ranks traced under Slurm's job id, each in the node's spool
     ranks = sorted(p.name for p in (spool / "slurm-4242").glob("*/rank-*"))
     assert ranks == ["rank-0", "rank-1"], sorted(spool.rglob("*"))
     for rank in ranks:

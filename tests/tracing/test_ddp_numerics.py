@@ -11,9 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from tests._jobs import TORCHRUN, ranklens_run
-
-GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+from tests._jobs import GLOO_TEARDOWN_ABORT, TORCHRUN, ranklens_run
 
 SCRIPT = textwrap.dedent(
     """
