@@ -239,14 +239,15 @@ def detect_live_hangs(
     groups = _groups(store, job_id, attempt, world)
     names = _group_names(store, job_id, attempt)
     step_s, coll_s, history = _pace_s(store, job_id, attempt)
+    pace_s = cfg.step_multiple * max(step_s, coll_s)
     if history >= cfg.min_history:
-        threshold_s = max(cfg.min_stall_s, cfg.step_multiple * max(step_s, coll_s))
+        threshold_s = max(cfg.min_stall_s, pace_s)
     else:
         threshold_s = max(cfg.min_stall_s, cfg.startup_stall_s)
     # the threshold for an origin stuck inside a step (see HangConfig.fast_stall_s); never above threshold_s
     fast_s = threshold_s
     if history >= cfg.min_history and step_s > 0:
-        fast_s = min(threshold_s, max(cfg.fast_stall_s, cfg.step_multiple * max(step_s, coll_s)))
+        fast_s = min(threshold_s, max(cfg.fast_stall_s, pace_s))
     exit_codes = exit_codes or {}
     gone = {(r.host, r.pid) for r in ranks.values() if r.gone}
     if gone:  # the node's collector saw these processes disappear: no need to be on their host

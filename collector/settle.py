@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ranklens.errors import StoreError
 from ranklens.schema import INGEST_ID, TABLES
 from ranklens.store.api import Store, SupportsDiscardIngest, SupportsIngestRows
+from ranklens.store.once import stamp  # the shipper stamps its segments as every ingest does
 
 if TYPE_CHECKING:
     from ranklens.collector.shipper import ShipResult
@@ -62,16 +63,6 @@ def ingest_id_of(rel: str, content: bytes | Iterator[bytes]) -> int:
 def batch_id(base: int, i: int) -> int:
     """The ``ingest_id`` of batch ``i`` of a file whose own id is ``base`` (a profiler trace)."""
     return ingest_id_of(str(base), i.to_bytes(8, "little"))
-
-
-def stamp(data: Any, ingest_id: int) -> Any:
-    """``data`` (Arrow rows) with every row's ``ingest_id`` set (the column added if missing)."""
-    import pyarrow as pa
-
-    col = pa.array([ingest_id] * data.num_rows, type=pa.uint64())
-    if INGEST_ID in data.column_names:
-        return data.set_column(data.column_names.index(INGEST_ID), INGEST_ID, col)
-    return data.append_column(INGEST_ID, col)
 
 
 def blocks(segments: list[Segment]) -> Iterator[tuple[dict[str, Any], list[Segment]]]:

@@ -29,14 +29,18 @@ def key_ingest_id(parts: Iterable[bytes]) -> int:
 
 
 def stamp(data: Any, ingest_id: int) -> Any:
-    """``data`` (an Arrow table of a schema table) with every row's ``ingest_id`` set."""
+    """``data`` (Arrow rows of a schema table) with every row's ``ingest_id`` set (the column added
+    if missing): the one stamp of ``ranklens ingest``, the write-once ingests and the shipper."""
     import numpy as np
     import pyarrow as pa
 
+    from ranklens.records import arrow_array
+
     # from a buffer: pa.array of a Python list costs a conversion a row and imports pandas (issue 18)
-    ids = pa.py_buffer(np.full(data.num_rows, ingest_id, dtype=np.uint64))
-    col = pa.Array.from_buffers(pa.uint64(), data.num_rows, [None, ids])
-    return data.set_column(data.column_names.index(INGEST_ID), INGEST_ID, col)
+    col = arrow_array(pa.uint64(), np.full(data.num_rows, ingest_id, dtype=np.uint64))
+    if INGEST_ID in data.column_names:
+        return data.set_column(data.column_names.index(INGEST_ID), INGEST_ID, col)
+    return data.append_column(INGEST_ID, col)
 
 
 def stored_ingest_rows(store: Store, table: str, ids: Sequence[int]) -> dict[int, int]:
