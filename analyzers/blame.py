@@ -522,6 +522,8 @@ def _cell_values(result: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
     the others' count."""
     import pyarrow.compute as pc
 
+    from ranklens.records import numpy_array
+
     if result.num_rows == 0:
         z = np.zeros(0)
         return z.astype(np.int64), z.astype(np.int64), z.astype(np.int64), z, z
@@ -529,12 +531,12 @@ def _cell_values(result: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
     ends = table.column("last_enters").combine_chunks()
     delays = table.column("delays").combine_chunks()
     # (newest_first_ns keeps the column a lambda reads from being pruned on ClickHouse 18.16)
-    cell = pc.list_parent_indices(ends).to_numpy()
+    cell = numpy_array(pc.list_parent_indices(ends))
     d = (
         union_lengths(
             cell,
-            pc.list_flatten(ends).to_numpy(zero_copy_only=False),
-            pc.list_flatten(delays).to_numpy(zero_copy_only=False),
+            numpy_array(pc.list_flatten(ends)),
+            numpy_array(pc.list_flatten(delays)),
             table.num_rows,
         )
         / 1e9

@@ -31,6 +31,7 @@ groups does not drag it down), *fast* when it is close to it.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -146,8 +147,10 @@ class LinkDetector(Protocol):
     def detect(self, metrics: LinkMetrics) -> LinkReport: ...
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def node_key(name: str) -> tuple[object, ...]:
-    """Natural order of node names: node9 before node13."""
+    """Natural order of node names: node9 before node13 (cached: a 10,240-rank job sorts the
+    nodes of ~20k groups by it)."""
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ranklens.formats import records_gen
 from ranklens.formats.records_gen import *  # noqa: F403  (the record classes, re-exported)
@@ -21,6 +21,7 @@ from ranklens.formats.records_gen import RECORD_TYPES
 from ranklens.schema import Column, table
 
 if TYPE_CHECKING:
+    import numpy as np
     import pyarrow as pa
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "check_value",
     "decode_replacing",
     "empty_arrow",
+    "numpy_array",
     "record_type",
     "repair_utf8",
     "to_arrow",
@@ -199,6 +201,58 @@ def arrow_array(t: pa.DataType, values: Any) -> pa.Array:
             return pa.array(values, type=t)
         arr = cast
     return pa.Array.from_buffers(t, n, [None, pa.py_buffer(np.ascontiguousarray(arr))])
+
+
+def numpy_array(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A NumPy array of an Arrow column, as ``to_numpy(zero_copy_only=False)`` gives it (numbers as
+    their dtype, strings and lists as object arrays: a list an array), without importing pandas
+    (pyarrow's ``to_numpy`` does: ~50 MB and ~0.4 s of a one-shot command). Null-free numbers are a
+    read-only view of the Arrow buffer; anything else (nulls, bools, dates) goes to ``to_numpy``."""
+    import numpy as np
+    import pyarrow as pa
+
+    chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
+    parts = [_chunk_numpy(c) for c in chunks]
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return _chunk_numpy(arrow_array(values.type, []))
+    if all(p.dtype != object for p in parts):
+        return np.concatenate(parts)
+    out = np.empty(sum(len(p) for p in parts), dtype=object)
+    i = 0
+    for p in parts:
+        out[i : i + len(p)] = p
+        i += len(p)
+    return out
+
+
+def _chunk_numpy(a: pa.Array) -> np.ndarray:
+    import numpy as np
+    import pyarrow as pa
+
+    t = a.type
+    if a.null_count == 0:
+        if (pa.types.is_integer(t) or pa.types.is_floating(t)) and not pa.types.is_float16(t):
+            dtype = np.dtype(t.to_pandas_dtype())
+            if len(a) == 0:
+                return np.zeros(0, dtype)
+            return np.frombuffer(a.buffers()[1], dtype=dtype, count=a.offset + len(a))[a.offset :]
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            out = np.empty(len(a), dtype=object)
+            out[:] = a.to_pylist()
+            return out
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            flat = a.flatten()  # the values of the slice's lists only
+            offsets = numpy_array(a.offsets)
+            inner = _chunk_numpy(flat)
+            out = np.empty(len(a), dtype=object)
+            base = int(offsets[0]) if len(offsets) else 0
+            for i in range(len(a)):
+                out[i] = inner[int(offsets[i]) - base : int(offsets[i + 1]) - base]
+            return out
+    out = a.to_numpy(zero_copy_only=False)
+    return cast("np.ndarray", out)
 
 
 def empty_arrow(table_name: str) -> pa.Table:

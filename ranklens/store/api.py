@@ -127,8 +127,11 @@ class QueryResult:
         return self.num_rows
 
     def column(self, name: str) -> np.ndarray:
-        """One column as a numpy array (lists become object arrays)."""
-        return self.arrow.column(name).to_numpy(zero_copy_only=False)
+        """One column as a numpy array (lists become object arrays; no pandas import: see
+        :func:`ranklens.records.numpy_array`)."""
+        from ranklens.records import numpy_array
+
+        return numpy_array(self.arrow.column(name))
 
     def rows(self) -> list[tuple[Any, ...]]:
         cols = [self.arrow.column(i).to_pylist() for i in range(self.arrow.num_columns)]

@@ -639,22 +639,16 @@ def _column_values(col: Any) -> list[Any]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    from ranklens.records import numpy_array
+
     if col.null_count == 0 and (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)):
-        return _numpy(col.combine_chunks()).tolist()
+        return numpy_array(col).tolist()
     if col.null_count == 0 and pa.types.is_string(col.type):
         enc = pc.dictionary_encode(col).combine_chunks()
         words = np.empty(len(enc.dictionary), dtype=object)
         words[:] = enc.dictionary.to_pylist()
-        return words[_numpy(enc.indices)].tolist()
+        return words[numpy_array(enc.indices)].tolist()
     return col.to_pylist()
-
-
-def _numpy(arr: Any) -> Any:
-    """A numpy view of a null-free Arrow array of numbers (pyarrow's ``to_numpy`` imports pandas)."""
-    import numpy as np
-
-    dtype = np.dtype(arr.type.to_pandas_dtype())
-    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=arr.offset + len(arr))[arr.offset :]
 
 
 def distributed_target(engine_full: str, default_db: str) -> tuple[str, str, str]:

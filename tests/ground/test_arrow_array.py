@@ -94,3 +94,63 @@ def test_building_a_trace_batch_and_reading_a_query_result_do_not_import_pandas(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+NUMPY_CASES = [
+    *CASES,
+    (pa.list_(pa.float64()), [[0.5], [], [1.0, float("nan")]]),
+    (pa.uint16(), [1, 65535]),
+]
+
+
+@pytest.mark.parametrize("t,values", NUMPY_CASES, ids=lambda v: str(v)[:30])
+@pytest.mark.parametrize("chunks", [1, 2, 0], ids=["one-chunk", "two-chunks", "slices"])
+def test_numpy_array_equals_to_numpy(t, values, chunks):
+    """records.numpy_array (QueryResult.column's conversion) gives what pyarrow's to_numpy gives,
+    for one array, a column of two chunks and sliced chunks (an offset into the buffers)."""
+    from ranklens.records import numpy_array
+
+    a = arrow_array(t, values)
+    if chunks == 1:
+        col = pa.chunked_array([a], type=t)
+    elif chunks == 2:
+        col = pa.chunked_array([a, a], type=t)
+    else:
+        col = pa.chunked_array([a.slice(1), a.slice(0, 1)], type=t) if len(a) else pa.chunked_array([], type=t)
+    got, want = numpy_array(col), col.to_numpy(zero_copy_only=False)
+    assert got.dtype == want.dtype and len(got) == len(want)
+    for x, y in zip(got, want):
+        if isinstance(y, np.ndarray):
+            assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=x.dtype.kind == "f")
+        else:
+            assert (x == y) or (x != x and y != y)
+
+
+def test_numpy_array_with_nulls_and_bools_takes_to_numpy():
+    from ranklens.records import numpy_array
+
+    for a in (pa.array([1, None, 3]), pa.array([True, False]), pa.array(["a", None])):
+        got, want = numpy_array(a), a.to_numpy(zero_copy_only=False)
+        assert got.dtype == want.dtype
+        assert [str(x) for x in got] == [str(x) for x in want]
+
+
+def test_analyze_reads_its_query_results_without_pandas(tmp_path):
+    """`QueryResult.column` (every analyzer's read) and blame's list columns go through
+    records.numpy_array: pyarrow's to_numpy imports pandas (~0.4 s and ~50 MB of a one-shot
+    `ranklens analyze`)."""
+    code = (
+        "import sys\n"
+        "import pyarrow as pa\n"
+        "from ranklens.records import arrow_array, numpy_array\n"
+        "from ranklens.store.api import QueryResult\n"
+        "t = pa.Table.from_arrays([arrow_array(pa.int64(), [1, 2]), arrow_array(pa.string(), ['a', 'b']),"
+        " arrow_array(pa.list_(pa.int64()), [[1], []])], names=['i', 's', 'l'])\n"
+        "r = QueryResult(t)\n"
+        "assert r.column('i').tolist() == [1, 2] and r.column('s').tolist() == ['a', 'b']\n"
+        "assert [x.tolist() for x in r.column('l')] == [[1], []]\n"
+        "print('pandas' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
