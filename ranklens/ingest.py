@@ -14,13 +14,14 @@ interrupted ingest, is discarded and written again), however it was renamed or m
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ranklens.errors import IngestError
 from ranklens.formats.digest import feed_file
-from ranklens.formats.rows import read_file
+from ranklens.formats.rows import file_format, jsonl_table_hint, read_file
 from ranklens.store.api import Store, SupportsDiscardIngest
 from ranklens.store.once import stamp, stored_ingest_rows
 
@@ -45,13 +46,51 @@ def expand(paths: Sequence[str | Path]) -> list[Path]:
 def file_ingest_id(path: str | Path, table: str) -> int:
     """The ``ingest_id`` of a file's rows: 63 bits of BLAKE2b over its table and content (never 0),
     the scheme the shipper uses for spool segments; independent of the file's name and place."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(b"ranklens ingest\0" + table.encode() + b"\0")
+    h = _ingest_hash(table)
     try:
         feed_file(h, path)
     except OSError as e:
         raise IngestError(str(path), "", f"cannot read: {e.strerror}") from None
     return (int.from_bytes(h.digest(), "little") & (2**63 - 1)) or 1
+
+
+def content_ingest_id(content: bytes, table: str) -> int:
+    """:func:`file_ingest_id` of a file whose bytes are ``content``."""
+    h = _ingest_hash(table)
+    h.update(content)  # hashlib lets go of the GIL on large data: this runs beside the parse
+    return (int.from_bytes(h.digest(), "little") & (2**63 - 1)) or 1
+
+
+def _ingest_hash(table: str) -> Any:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"ranklens ingest\0" + table.encode() + b"\0")
+    return h
+
+
+def _read_one(p: Path, fmt: str | None, table: str | None) -> tuple[str, Any, int]:
+    """(table, rows, ingest id) of one file. A JSON Lines file is read once: its ingest id is hashed
+    from those bytes in a thread while Arrow parses them, for the table its header, ``--table`` or
+    name tells (hashed again, after, in the rare case that the parse tells another)."""
+    if file_format(p, fmt) != "jsonl":
+        name, data = read_file(p, fmt, table)
+        return name, data, file_ingest_id(p, name)
+    try:
+        content = p.read_bytes()
+    except OSError as e:
+        raise IngestError(str(p), "", f"cannot read: {e.strerror}") from None
+    hint = jsonl_table_hint(p, table, content)
+    box: dict[str, int] = {}
+    worker = None
+    if hint is not None:
+        worker = threading.Thread(target=lambda: box.setdefault("iid", content_ingest_id(content, hint)), daemon=True)
+        worker.start()
+    try:
+        name, data = read_file(p, fmt, table, content=content)
+    finally:
+        if worker is not None:
+            worker.join()
+    iid = box.get("iid") if name == hint else None
+    return name, data, iid if iid is not None else content_ingest_id(content, name)
 
 
 def ingest_paths(
@@ -73,8 +112,7 @@ def ingest_paths(
 
     files: dict[str, dict[int, Any]] = {}  # table -> ingest_id -> rows (the same file twice: once)
     for p in expand(paths):
-        name, data = read_file(p, fmt, table)
-        iid = file_ingest_id(p, name)
+        name, data, iid = _read_one(p, fmt, table)
         data = stamp(data, iid)
         if data.num_rows:
             files.setdefault(name, {})[iid] = data

@@ -21,7 +21,7 @@ from ranklens.formats.spool import SPOOL_FORMAT, SPOOL_VERSION  # one format: sp
 from ranklens.records import arrow_array, arrow_schema, check_value, to_arrow
 from ranklens.schema import TABLES
 
-__all__ = ["read_file", "read_jsonl", "read_parquet"]
+__all__ = ["file_format", "jsonl_table_hint", "read_file", "read_jsonl", "read_parquet"]
 
 
 def _table_from_name(path: Path) -> str | None:
@@ -47,6 +47,25 @@ def _resolve_table(path: Path, explicit: str | None, declared: str | None) -> st
         "cannot tell which table the records belong to: add a header line "
         '{"ranklens": "records", "version": 1, "table": "..."}, name the file <table>.jsonl, or pass --table',
     )
+
+
+def jsonl_table_hint(path: str | Path, table: str | None, data: bytes) -> str | None:
+    """The table a JSON Lines file's rows are for, told from ``--table``, its header line or its
+    name without parsing the rows (None when none of them tells): what :func:`read_jsonl` will
+    most likely answer, so the file's ingest id can be hashed while the rows are parsed."""
+    nl = data.find(b"\n")
+    first = data[: nl if nl >= 0 else len(data)]
+    declared = None
+    if b'"ranklens"' in first:
+        try:
+            head = json.loads(first)
+        except ValueError:
+            return None
+        declared = head.get("table") if isinstance(head, dict) else None
+    try:
+        return _resolve_table(Path(path), table, declared if isinstance(declared, str) else None)
+    except IngestError:
+        return None
 
 
 def _lines_of_one_object(data: bytes, start: int) -> int:
@@ -252,12 +271,20 @@ def read_parquet(path: str | Path, table: str | None = None) -> tuple[str, Any]:
     return name, pa.Table.from_arrays(arrays, schema=target)
 
 
-def read_file(path: str | Path, fmt: str | None = None, table: str | None = None) -> tuple[str, Any]:
-    """Read one file of the open format; ``fmt`` defaults to the file's extension."""
+def file_format(path: Path, fmt: str | None = None) -> str:
+    """``fmt``, else the format the file's extension names (``jsonl`` unless .parquet/.pq)."""
+    return fmt or ("parquet" if path.suffix in (".parquet", ".pq") else "jsonl")
+
+
+def read_file(
+    path: str | Path, fmt: str | None = None, table: str | None = None, *, content: bytes | None = None
+) -> tuple[str, Any]:
+    """Read one file of the open format; ``fmt`` defaults to the file's extension. ``content``: a
+    JSON Lines file's bytes when the caller has read them already."""
     path = Path(path)
-    fmt = fmt or ("parquet" if path.suffix in (".parquet", ".pq") else "jsonl")
+    fmt = file_format(path, fmt)
     if fmt == "jsonl":
-        return read_jsonl(path, table)
+        return read_jsonl(path, table, content=content)
     if fmt == "parquet":
         return read_parquet(path, table)
     raise IngestError(str(path), "", f"format {fmt!r} is not readable by read_file")

@@ -212,6 +212,29 @@ def test_reingest_after_a_partial_write_discards_and_writes_again(tmp_path, stor
     assert store.query("SELECT count(), uniqExact(rank) FROM collectives").rows() == [(3, 3)]
 
 
+def test_a_jsonl_files_ingest_id_is_its_content_hash_whichever_way_the_table_is_told(tmp_path, store):
+    """The ingest id of a JSON Lines file is hashed from the bytes read for the parse, in a thread,
+    for the table its header, --table or name tells (issue 18); it equals the id from the file on
+    disk, so a file ingested by an earlier version is still skipped. A header naming another table
+    than the hint (--table wins) takes the id of the table the rows went to."""
+    from ranklens.formats.rows import jsonl_table_hint
+    from ranklens.ingest import content_ingest_id, file_ingest_id
+
+    headed = _jsonl(tmp_path / "x.jsonl", HEADER, ROW)
+    named = tmp_path / "collectives-7.jsonl"
+    named.write_text(json.dumps(ROW) + "\n")
+    assert jsonl_table_hint(headed, None, headed.read_bytes()) == "collectives"
+    assert jsonl_table_hint(named, None, named.read_bytes()) == "collectives"
+    assert jsonl_table_hint(tmp_path / "x.jsonl", None, b'{"a": 1}\n') is None  # nothing tells
+    assert jsonl_table_hint(headed, None, b'{"ranklens": [\n') is None  # a header that is not JSON
+    for p in (headed, named):
+        assert content_ingest_id(p.read_bytes(), "collectives") == file_ingest_id(p, "collectives")
+        assert ingest_paths(store, [p]) == {"collectives": 1}
+        ids = store.query("SELECT DISTINCT ingest_id FROM collectives").column("ingest_id").tolist()
+        assert file_ingest_id(p, "collectives") in ids
+        assert ingest_paths(store, [p]) == {}  # the same content again: skipped
+
+
 @pytest.mark.slow
 def test_reingesting_kineto_traces_and_flight_recorder_dumps_writes_their_rows_once(tmp_path, store):
     """issue 22 #10, the other formats: a Kineto trace or a set of flight-recorder dumps ingested a
