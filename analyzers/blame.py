@@ -75,6 +75,7 @@ def collective_blame_sql(
     step_from: int | None = None,
     step_to: int | None = None,
     stepless: bool = False,
+    of_ranks: list[int] | None = None,
 ) -> str:
     """THE blame of one collective, one row per ``(pg, seq)`` with at least two members:
     ``last_rank`` (the last arriver on the aligned clock), ``c_step`` (its step), ``members``,
@@ -86,8 +87,16 @@ def collective_blame_sql(
     steps ``step_from..step_to`` (never a negative step), or with ``stepless`` only those without a
     step. Arrivals are taken relative to ``t0_ns`` in Float64 so sums cannot overflow Int64 at
     10,000 ranks; ``offsets`` (rank -> host clock offset, :func:`blame_offsets`) align the clocks.
-    The analyzer (:func:`blame_sql`) and the dashboards aggregate these rows."""
+    The analyzer (:func:`blame_sql`) and the dashboards aggregate these rows.
+
+    ``of_ranks``: only the collectives those ranks were members of (whole: every member's row),
+    the only ones whose last arriver can be one of them (a suspect's blame reads ~850 of a
+    10,240-rank job's million collectives instead of grouping all of them, issue 18)."""
     enter = _aligned(offsets)
+    where = _blame_where(job_id, attempt, step_from, step_to, stepless)
+    if of_ranks:
+        ranks = ", ".join(str(int(r)) for r in of_ranks)
+        where += f" AND (pg, seq) IN (SELECT pg, seq FROM collectives WHERE {where} AND rank IN ({ranks}))"
     # at equal arrivals the lowest rank is the last arriver (as the rollup decides: the same answer
     # however the rows are read; argMax alone kept whichever row came first)
     last = f"({enter}, toInt64(-rank))"
@@ -100,7 +109,7 @@ SELECT pg, seq,
        toFloat64(max({enter}) - {int(t0_ns)}) AS last_enter,
        (last_enter * count() - sum(toFloat64({enter} - {int(t0_ns)}))) / (members - 1) AS delay_ns
 FROM collectives
-WHERE {_blame_where(job_id, attempt, step_from, step_to, stepless)}
+WHERE {where}
 GROUP BY pg, seq
 HAVING members >= 2
 """.strip()
@@ -241,7 +250,14 @@ def blame_sql(
     stepless = windows is not None
     if rollup_host_offsets is None:
         per_collective = collective_blame_sql(
-            job_id, attempt, t0_ns, offsets, step_from=step_from, step_to=step_to, stepless=stepless
+            job_id,
+            attempt,
+            t0_ns,
+            offsets,
+            step_from=step_from,
+            step_to=step_to,
+            stepless=stepless,
+            of_ranks=only_ranks,
         )
         dups, dup_col = "", ""
     else:
