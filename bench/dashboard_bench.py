@@ -16,7 +16,10 @@ slow node link) into a fresh store, runs the straggler analyzer on it, then per 
   headless Chromium driven over the DevTools protocol (``tests/cdp.py``), each page's URL navigated
   to and timed until its charts are drawn (the title shown, the script done, every chart with data).
   Each page is loaded twice: the first visit runs its queries (the server's cache holds only what
-  earlier pages shared, e.g. the job list and bounds), the second is served from the cache.
+  earlier pages shared, e.g. the job list and bounds), the second is served from the cache. Then,
+  as a user moves between the pages of an open dashboard, each page is reached by a click on its
+  sidebar link (no page reload: Streamlit's front end and Plotly's code stay loaded), first with the
+  query cache emptied just before ("Refresh now"), then again.
   ``--reuse`` keeps the job already in ``--store`` (simulated by an earlier run) instead of writing
   a new one.
 
@@ -204,15 +207,34 @@ BROWSER_PAGES = (
     ("gpu-logs", "GPU and logs", 2),
 )
 
+# elements of the previous run that the current one has not replaced yet carry data-stale="true"
+# (an in-app page switch keeps the old page on screen until the new one draws): not counted
 READY_JS = """JSON.stringify((() => {
-  const plots = Array.from(document.querySelectorAll('.js-plotly-plot'));
+  const live = e => e.closest('[data-stale="true"]') === null;
+  const plots = Array.from(document.querySelectorAll('.js-plotly-plot')).filter(live);
   return {
     drawn: plots.filter(p => p.querySelectorAll('.trace path, .trace image, .hm image').length > 0).length,
-    exceptions: document.querySelectorAll('[data-testid="stException"]').length,
+    exceptions: Array.from(document.querySelectorAll('[data-testid="stException"]')).filter(live).length,
     running: document.querySelectorAll('[data-testid="stStatusWidget"]').length,
-    titles: Array.from(document.querySelectorAll('h1')).map(h => h.innerText.trim()),
+    titles: Array.from(document.querySelectorAll('h1')).filter(live).map(h => h.innerText.trim()),
   };
 })())"""
+
+# an in-app page switch: the sidebar's link to the page, clicked as a user does (no page reload:
+# Streamlit's front end, its connection and Plotly's code stay loaded; the page script reruns)
+CLICK_JS = """(() => {
+  const a = Array.from(document.querySelectorAll('a[data-testid="stSidebarNavLink"]'))
+    .find(a => new URL(a.href).pathname.replace(/\\/$/, '') === %s);
+  if (!a) return 0;
+  a.click();
+  return 1;
+})()"""
+REFRESH_JS = """(() => {
+  const b = Array.from(document.querySelectorAll('button')).find(b => b.innerText.trim() === 'Refresh now');
+  if (!b) return 0;
+  b.click();
+  return 1;
+})()"""
 
 
 def _browser_urls(store: Store, job: str, b: q.JobBounds, slow: int) -> list[tuple[str, str, str, int]]:
@@ -304,9 +326,73 @@ def run_browser(store_url: str, pages: list[tuple[str, str, str, int]], timeout_
                     f"   {state.get('drawn', 0)}/{want} charts"
                     + ("" if ok else "  NOT DRAWN" + (" (exception on the page)" if state.get("exceptions") else ""))
                 )
+            failed += _in_app(browser, base, pages, timeout_s)
     finally:
         stop_process(proc, timeout_s=15)
         log.close()
+    return failed
+
+
+def _wait_drawn(browser: Any, t: float, title: str, want: int, timeout_s: float) -> tuple[float, dict[str, Any]]:
+    import json
+
+    state: dict[str, Any] = {}
+    while time.perf_counter() - t < timeout_s:
+        state = json.loads(browser.evaluate(READY_JS))
+        if state["exceptions"] or (title in state["titles"] and state["running"] == 0 and state["drawn"] >= want):
+            break
+        time.sleep(0.02)
+    return time.perf_counter() - t, state
+
+
+def _in_app(browser: Any, base: str, pages: list[tuple[str, str, str, int]], timeout_s: float) -> int:
+    """Each page reached from the sidebar's link, as a user moves between pages once the dashboard
+    is open: first with the query cache emptied just before ("Refresh now" on the page the user
+    is on: what that page's rerun reads again, the job list and bounds every page shares, is
+    cached as for any user), then again. The heat-map page shows its default metric (the others
+    are a widget away)."""
+    import json
+
+    failed = 0
+    seen: set[str] = set()
+    in_app = []
+    for name, path, title, want in pages:
+        p = path.split("?", 1)[0]
+        if p not in seen:
+            seen.add(p)
+            in_app.append((name.split(":", 1)[0], "/" + p if p != "overview" else "", title, want))
+    # start on the last page, so that every click goes to another page
+    browser.navigate(f"{base}/{pages[-1][1]}")
+    current = in_app[-1]
+    _wait_drawn(browser, time.perf_counter(), current[2], current[3], timeout_s)
+    times: dict[str, list[float]] = {}
+    states: dict[str, dict[str, Any]] = {}
+    for visit in ("first", "again"):
+        for name, p, title, want in in_app:
+            if visit == "first":  # the query cache emptied on the page the user is on, which reruns
+                browser.evaluate(REFRESH_JS)
+                time.sleep(0.1)
+                _wait_drawn(browser, time.perf_counter(), current[2], current[3], timeout_s)
+            current = (name, p, title, want)
+            t = time.perf_counter()
+            if not browser.evaluate(CLICK_JS % json.dumps(p)):
+                print(f"in-app    {name:16s} no sidebar link to {p or '/'}")
+                failed += 1
+                continue
+            dt, state = _wait_drawn(browser, t, title, want, timeout_s)
+            times.setdefault(name, []).append(dt)
+            states[name] = state
+    for name, _p, _title, want in in_app:
+        ts, state = times.get(name, []), states.get(name, {})
+        if len(ts) < 2:
+            continue
+        ok = not state.get("exceptions") and state.get("drawn", 0) >= want
+        failed += not ok
+        print(
+            f"in-app    {name:16s} sidebar click to charts drawn: first visit {ts[0]:5.2f} s (query cache "
+            f"emptied), again {ts[1]:5.2f} s   {state.get('drawn', 0)}/{want} charts"
+            + ("" if ok else "  NOT DRAWN" + (" (exception on the page)" if state.get("exceptions") else ""))
+        )
     return failed
 
 
