@@ -60,12 +60,14 @@ def _waits_subquery(job_id: str, attempt: int, min_step: int = 0, max_step: int 
 # 64/1,024-rank jobs (sync calls only) and the tests' zero-code DDP jobs the metric is as before
 # (one of 128 DDP steps differs).
 # How, in arrays (no window functions on 18.16, and no lambda captures an array: ClickHouse
-# replicates a captured column per element): completions and entries sorted together as
-# (time, is_entry, rise), a completion before an entry at a tie (a call that returns as the next
-# one is entered ends its gap there); an entry's rise is its time over the previous entry's, so the
-# running sum at a completion is the rank's latest entry before it (the anchor). A completion
-# followed by an entry (or the window's end) is the last of its gap. The intervals of different
-# gaps are disjoint, so their lengths add up. A call with no duration blocks nothing and is left out.
+# replicates a captured column per element): completions and entries sorted together, one Int64
+# key an event, time * 2 for a completion and time * 2 + 1 for an entry, so a completion sorts
+# before an entry at a tie (a call that returns as the next one is entered ends its gap there).
+# An entry's rise (its time over the previous entry's) is sorted by the same keys, so the running
+# sum at a completion is the rank's latest entry before it (the anchor). A completion followed by
+# an entry (or the window's end) is the last of its gap. The intervals of different gaps are
+# disjoint, so their lengths add up. A call with no duration blocks nothing and is left out.
+# (Integer keys, not (time, kind, rise) tuples: the same waits, ~15 % less time on chDB.)
 _IN = "(e >= start_ns AND e < end_ns)"
 # the window's columns (start_ns, end_ns, enters, ends) -> wait_ns, the rank's time blocked in it
 _WAIT_COLUMNS = (
@@ -73,13 +75,15 @@ _WAIT_COLUMNS = (
     f"arrayMap((x, e) -> least(greatest(x, e), end_ns), arrayFilter((x, e) -> {_IN}, ends, enters), w_enters_)"
     " AS w_ends_, "
     "arraySort(w_enters_) AS w_sorted_, "
-    "arraySort(arrayConcat("
-    "arrayMap(x -> (x, 0, toInt64(0)), arrayFilter((x, e) -> x > e, w_ends_, w_enters_)), "
-    "arrayMap((e, prev) -> (e, 1, e - prev), w_sorted_, arraySlice(arrayPushFront(w_sorted_, 0), 1, length(w_sorted_)))"
-    ")) AS w_events_, "
-    "arrayCumSum(arrayMap(t -> t.3, w_events_)) AS w_anchor_, "
-    "arraySlice(arrayPushBack(arrayPopFront(arrayMap(t -> t.2, w_events_)), 1), 1, length(w_events_)) AS w_next_, "
-    "arraySum(arrayMap((t, a, nx) -> if(t.2 = 0 AND nx = 1, t.1 - a, 0), w_events_, w_anchor_, w_next_)) AS wait_ns"
+    "arrayFilter((x, e) -> x > e, w_ends_, w_enters_) AS w_done_, "
+    "arrayConcat(arrayMap(x -> x * 2, w_done_), arrayMap(e -> e * 2 + 1, w_sorted_)) AS w_keys_, "
+    "arraySort(w_keys_) AS w_events_, "
+    "arrayCumSum(arraySort((r, k) -> k, arrayConcat(arrayMap(x -> toInt64(0), w_done_), "
+    "arrayMap((e, prev) -> e - prev, w_sorted_, arraySlice(arrayPushFront(w_sorted_, 0), 1, length(w_sorted_)))), "
+    "w_keys_)) AS w_anchor_, "
+    "arraySlice(arrayPushBack(arrayPopFront(arrayMap(k -> k % 2, w_events_)), 1), 1, length(w_events_)) AS w_next_, "
+    "arraySum(arrayMap((k, a, nx) -> if(k % 2 = 0 AND nx = 1, intDiv(k, 2) - a, 0), w_events_, w_anchor_, w_next_))"
+    " AS wait_ns"
 )
 
 
