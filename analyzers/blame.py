@@ -96,7 +96,10 @@ def collective_blame_sql(
     where = _blame_where(job_id, attempt, step_from, step_to, stepless)
     if of_ranks:
         ranks = ", ".join(str(int(r)) for r in of_ranks)
-        where += f" AND (pg, seq) IN (SELECT pg, seq FROM collectives WHERE {where} AND rank IN ({ranks}))"
+        # GLOBAL: on a cluster's Distributed table the set is built once, from every shard, and
+        # sent to the shards (a plain IN over a Distributed table is refused there); elsewhere it
+        # is a plain IN
+        where += f" AND (pg, seq) GLOBAL IN (SELECT pg, seq FROM collectives WHERE {where} AND rank IN ({ranks}))"
     # at equal arrivals the lowest rank is the last arriver (as the rollup decides: the same answer
     # however the rows are read; argMax alone kept whichever row came first)
     last = f"({enter}, toInt64(-rank))"
