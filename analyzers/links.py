@@ -46,6 +46,7 @@ from ranklens.analyzers.tomography import (
     LinkDetection,
     LinkDetector,
     LinkReport,
+    cell_classes,
     node_key,
 )
 from ranklens.store.api import Store
@@ -353,14 +354,8 @@ def _could_be_slow(m: LinkMetrics, slow_ratio: float) -> bool:
     if len(m) == 0:
         return False
     n_of = {pg: len(g.nodes) for pg, g in m.groups.items()}
-    fam_of: dict[str, int] = {}
     n_nodes = np.fromiter((n_of.get(str(p), 0) for p in m.pg), dtype=np.int64, count=len(m))
-    fam = np.fromiter((fam_of.setdefault(str(f), len(fam_of)) for f in m.family), dtype=np.int64, count=len(m))
-    cls = np.zeros(len(m), dtype=np.int64)
-    for col in (fam, m.members, n_nodes, m.size_bucket):  # one dense class number per distinct key
-        values, code = np.unique(np.asarray(col, dtype=np.int64), return_inverse=True)
-        _, cls = np.unique(cls * len(values) + code.reshape(-1), return_inverse=True)
-        cls = cls.reshape(-1)
+    cls = cell_classes(m, n_nodes)
     bw = m.bw_Bps
     top = np.full(int(cls.max()) + 1, -np.inf)
     np.fmax.at(top, cls, bw)  # a NaN bandwidth gives its class no baseline: it cannot raise one

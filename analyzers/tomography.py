@@ -242,8 +242,7 @@ class GroupTestingDetector:
         noise = np.zeros(n)
         if n == 0:
             return base, noise
-        fam = _codes(m.family)
-        cls = _codes_of_columns(fam, np.asarray(m.members, np.int64), np.asarray(n_nodes, np.int64), m.size_bucket)
+        cls = cell_classes(m, n_nodes)
         grp = _codes_of_columns(cls, _codes(m.pg))  # a group within its class
         n_cls, n_grp = int(cls.max()) + 1, int(grp.max()) + 1
         cls_of_grp = np.zeros(n_grp, dtype=np.int64)
@@ -548,6 +547,13 @@ def _runs(ws: list[int]) -> list[list[int]]:
         else:
             runs.append([w])
     return runs
+
+
+def cell_classes(m: LinkMetrics, n_nodes: np.ndarray) -> np.ndarray:
+    """Per cell, a dense number of its class of comparable cells: op family, group size, number of
+    nodes (``n_nodes``, per cell) and size bucket."""
+    members = np.asarray(m.members, np.int64)
+    return _codes_of_columns(_codes(m.family), members, np.asarray(n_nodes, np.int64), m.size_bucket)
 
 
 def _codes(values: np.ndarray) -> np.ndarray:
