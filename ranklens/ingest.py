@@ -51,20 +51,25 @@ def file_ingest_id(path: str | Path, table: str) -> int:
         feed_file(h, path)
     except OSError as e:
         raise IngestError(str(path), "", f"cannot read: {e.strerror}") from None
-    return (int.from_bytes(h.digest(), "little") & (2**63 - 1)) or 1
+    return _id_of(h)
 
 
 def content_ingest_id(content: bytes, table: str) -> int:
     """:func:`file_ingest_id` of a file whose bytes are ``content``."""
     h = _ingest_hash(table)
     h.update(content)  # hashlib lets go of the GIL on large data: this runs beside the parse
-    return (int.from_bytes(h.digest(), "little") & (2**63 - 1)) or 1
+    return _id_of(h)
 
 
 def _ingest_hash(table: str) -> Any:
     h = hashlib.blake2b(digest_size=8)
     h.update(b"ranklens ingest\0" + table.encode() + b"\0")
     return h
+
+
+def _id_of(h: Any) -> int:
+    """The ingest id of a finished hash: its 63 low bits, never 0."""
+    return (int.from_bytes(h.digest(), "little") & (2**63 - 1)) or 1
 
 
 def _read_one(p: Path, fmt: str | None, table: str | None) -> tuple[str, Any, int]:

@@ -81,19 +81,27 @@ def test_arrow_table_fills_defaults_and_names_an_unknown_column():
         arrow_table({k: v for k, v in cols.items() if k != "ts_ns"}, schema=schema)
 
 
+def _imports_pandas(code: str) -> bool:
+    """Whether running ``code`` in a fresh interpreter imports pandas."""
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys\nprint('pandas' in sys.modules)\n"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip() == "True"
+
+
 def test_building_a_trace_batch_and_reading_a_query_result_do_not_import_pandas():
     code = (
-        "import sys\n"
         "from ranklens.records import arrow_schema, arrow_table\n"
         "arrow_table({'job_id': ['j'] * 2, 'rank': [0, 1], 'ts_ns': [5, 6], 'cat': ['k', 'k'], 'name': ['a', 'b']},"
         " schema=arrow_schema('trace_events'))\n"
         "from ranklens.store.server import _arrow_table\n"
         "_arrow_table([('a', 'Int64'), ('s', 'String'), ('l', 'Array(String)')], [[1, 2], ['x', 'y'], [['p'], []]])\n"
-        "print('pandas' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "False"
+    assert not _imports_pandas(code)
 
 
 NUMPY_CASES = [
@@ -140,7 +148,6 @@ def test_analyze_reads_its_query_results_without_pandas(tmp_path):
     records.numpy_array: pyarrow's to_numpy imports pandas (~0.4 s and ~50 MB of a one-shot
     `ranklens analyze`)."""
     code = (
-        "import sys\n"
         "import pyarrow as pa\n"
         "from ranklens.records import arrow_array, numpy_array\n"
         "from ranklens.store.api import QueryResult\n"
@@ -149,8 +156,5 @@ def test_analyze_reads_its_query_results_without_pandas(tmp_path):
         "r = QueryResult(t)\n"
         "assert r.column('i').tolist() == [1, 2] and r.column('s').tolist() == ['a', 'b']\n"
         "assert [x.tolist() for x in r.column('l')] == [[1], []]\n"
-        "print('pandas' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "False"
+    assert not _imports_pandas(code)
