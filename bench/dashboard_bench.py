@@ -300,21 +300,12 @@ def run_browser(store_url: str, pages: list[tuple[str, str, str, int]], timeout_
             wait_until(settled, 300, "the first page", interval_s=0.1)
             for name, path, title, want in pages:
                 times, titled = [], []
+                state: dict[str, Any] = {}
                 for _visit in ("first", "again"):
                     t = time.perf_counter()
                     browser.navigate(f"{base}/{path}")
-                    state: dict[str, Any] = {}
-                    seen = 0.0
-                    while time.perf_counter() - t < timeout_s:
-                        state = json.loads(browser.evaluate(READY_JS))
-                        if not seen and title in state["titles"]:
-                            seen = time.perf_counter() - t
-                        if state["exceptions"] or (
-                            title in state["titles"] and state["running"] == 0 and state["drawn"] >= want
-                        ):
-                            break
-                        time.sleep(0.02)
-                    times.append(time.perf_counter() - t)
+                    dt, seen, state = _wait_drawn(browser, t, title, want, timeout_s)
+                    times.append(dt)
                     titled.append(seen)
                 ok = not state.get("exceptions") and state.get("drawn", 0) >= want
                 failed += not ok
@@ -333,16 +324,21 @@ def run_browser(store_url: str, pages: list[tuple[str, str, str, int]], timeout_
     return failed
 
 
-def _wait_drawn(browser: Any, t: float, title: str, want: int, timeout_s: float) -> tuple[float, dict[str, Any]]:
+def _wait_drawn(browser: Any, t: float, title: str, want: int, timeout_s: float) -> tuple[float, float, dict[str, Any]]:
+    """Poll the page from ``t`` until its title is shown, its script done and ``want`` charts drawn
+    (or an exception shown): (seconds to that, seconds to the title, 0 if never; the last state)."""
     import json
 
     state: dict[str, Any] = {}
+    seen = 0.0
     while time.perf_counter() - t < timeout_s:
         state = json.loads(browser.evaluate(READY_JS))
+        if not seen and title in state["titles"]:
+            seen = time.perf_counter() - t
         if state["exceptions"] or (title in state["titles"] and state["running"] == 0 and state["drawn"] >= want):
             break
         time.sleep(0.02)
-    return time.perf_counter() - t, state
+    return time.perf_counter() - t, seen, state
 
 
 def _in_app(browser: Any, base: str, pages: list[tuple[str, str, str, int]], timeout_s: float) -> int:
@@ -379,7 +375,7 @@ def _in_app(browser: Any, base: str, pages: list[tuple[str, str, str, int]], tim
                 print(f"in-app    {name:16s} no sidebar link to {p or '/'}")
                 failed += 1
                 continue
-            dt, state = _wait_drawn(browser, t, title, want, timeout_s)
+            dt, _seen, state = _wait_drawn(browser, t, title, want, timeout_s)
             times.setdefault(name, []).append(dt)
             states[name] = state
     for name, _p, _title, want in in_app:
