@@ -49,7 +49,7 @@ from ranklens.analyzers.tomography import (
     cell_classes,
     node_key,
 )
-from ranklens.store.api import Store
+from ranklens.store.api import QueryResult, Store
 from ranklens.store.api import sql_escape as _esc
 
 __all__ = [
@@ -65,6 +65,10 @@ __all__ = [
 
 DEFAULT_MIN_BYTES = 1 << 18  # 256 KiB: below it a transfer is latency, not bandwidth
 DEFAULT_MAX_WINDOWS = 20
+# Grouping a 10,240-rank job's 8.7M ledger rows by collective (~2.3M of them, a dozen aggregate
+# states each) peaked at ~1.5 GB in chDB in one query (issue 18). Past this many rows the link metric
+# runs in parts, each over the process groups of one hash bucket: ~1 GB at three parts, ~1 s more.
+PART_ROWS = 3_000_000
 CRITICAL_PCT = 20.0
 
 #: bus bytes per input byte, as a function of the group size ``n`` (documented above)
@@ -101,6 +105,7 @@ def transfer_sql(
     min_bytes: int = DEFAULT_MIN_BYTES,
     step_from: int | None = None,
     step_to: int | None = None,
+    part: tuple[int, int] | None = None,
 ) -> str:
     """THE transfer metric of one collective, one row per completed ``(pg, seq)`` with at least two
     members (barriers, each group's first collective and those under ``min_bytes`` left out):
@@ -108,11 +113,13 @@ def transfer_sql(
     ``c_step``, ``first_enter_ns``, ``last_enter_ns``, ``done_ns``, ``xfer_ns`` (transfer after the
     last arrival), ``spread_ns`` (arrival spread), ``bus_bytes`` (:data:`BUS_FACTORS`) and
     ``bw_Bps`` = bus bytes / transfer. With ``step_from`` only collectives of steps
-    ``step_from..step_to``. The analyzer's cells (:func:`link_metric_sql`) and the dashboards'
-    bandwidths aggregate these rows."""
+    ``step_from..step_to``; with ``part=(i, k)`` only those of the process groups in hash bucket
+    ``i`` of ``k`` (a collective is one group's, so the parts hold every row once). The analyzer's
+    cells (:func:`link_metric_sql`) and the dashboards' bandwidths aggregate these rows."""
     steps = ""
     if step_from is not None:
         steps = f" AND c_step >= {int(step_from)}" + (f" AND c_step <= {int(step_to)}" if step_to is not None else "")
+    bucket = f" AND cityHash64(pg) % {int(part[1])} = {int(part[0])}" if part is not None and part[1] > 1 else ""
     return f"""
 SELECT pg, seq, fam, members, a_rank, b_rank, c_nbytes, c_step, first_enter_ns, last_enter_ns, done_ns,
        greatest(done_ns - last_enter_ns, 1000) AS xfer_ns,
@@ -132,7 +139,7 @@ FROM
            max(enter_ns) AS last_enter_ns,
            if(count() <= 2, max(end_ns), quantileExact(0.5)(end_ns)) AS done_ns
     FROM collectives
-    WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND op != 'barrier'
+    WHERE job_id = '{_esc(job_id)}' AND attempt = {int(attempt)} AND op != 'barrier'{bucket}
     GROUP BY pg, seq
     HAVING members >= 2 AND min(end_ns) > 0 AND c_nbytes >= {int(min_bytes)} AND seq > 1{steps}
 )
@@ -148,8 +155,10 @@ def link_metric_sql(
     window_ns: int = 0,
     t0_ns: int = 0,
     min_bytes: int = DEFAULT_MIN_BYTES,
+    part: tuple[int, int] | None = None,
 ) -> str:
-    """The link metric: one row per (pg, op family, size bucket, window) cell of :func:`transfer_sql`.
+    """The link metric: one row per (pg, op family, size bucket, window) cell of :func:`transfer_sql`
+    (of one part of the process groups with ``part``: a cell is one group's, so whole in its part).
 
     Args:
         job_id, attempt: the job.
@@ -162,7 +171,7 @@ def link_metric_sql(
         win, step_from = f"intDiv(last_enter_ns - {int(t0_ns)}, {int(window_ns)})", None
     else:
         win, step_from = f"intDiv(c_step, {max(1, int(window_steps))})", 0
-    per_collective = transfer_sql(job_id, attempt, min_bytes=min_bytes, step_from=step_from)
+    per_collective = transfer_sql(job_id, attempt, min_bytes=min_bytes, step_from=step_from, part=part)
     inner = "\n".join("        " + line for line in per_collective.splitlines())
     return f"""
 SELECT pg, fam, size_bucket, win,
@@ -299,17 +308,28 @@ def compute_link_metrics(
     where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
     span = store.query(
         f"SELECT min(enter_ns) AS t0, max(enter_ns) AS t1, minIf(step, step >= 0) AS s0, "
-        f"maxIf(step, step >= 0) AS s1, countIf(step >= 0) AS with_step FROM collectives WHERE {where}"
+        f"maxIf(step, step >= 0) AS s1, countIf(step >= 0) AS with_step, count() AS n FROM collectives WHERE {where}"
     ).rows()[0]
-    t0, t1, _s0, s1, with_step = (int(x or 0) for x in span)
+    t0, t1, _s0, s1, with_step, n_rows = (int(x or 0) for x in span)
     if with_step > 0:
         w_steps = window_steps or max(1, math.ceil((s1 + 1) / max(1, max_windows)))
         w_ns = 0
     else:
         w_steps = 0
         w_ns = max(100_000_000, math.ceil(max(t1 - t0, 1) / max(1, max_windows)))
-    sql = link_metric_sql(job_id, attempt, window_steps=w_steps, window_ns=w_ns, t0_ns=t0, min_bytes=min_bytes)
-    res = store.query(sql)
+
+    def cells(part: tuple[int, int] | None = None) -> str:
+        return link_metric_sql(
+            job_id, attempt, window_steps=w_steps, window_ns=w_ns, t0_ns=t0, min_bytes=min_bytes, part=part
+        )
+
+    sql = cells()
+    k = max(1, math.ceil(n_rows / PART_ROWS))
+    if k == 1:
+        res = store.query(sql)
+    else:  # the parts' rows in the order of the one query's ORDER BY (bytes order for strings, as ClickHouse's)
+        whole = QueryResult.concat(store.query(cells((i, k))) for i in range(k))
+        res = QueryResult(whole.arrow.sort_by([(c, "ascending") for c in ("win", "pg", "fam", "size_bucket")]))
     hosts = rank_hosts(store, job_id, attempt)
     pgs = res.column("pg").astype(object) if res.num_rows else np.array([], dtype=object)
     groups = _group_infos(store, job_id, attempt, {str(p) for p in pgs}, hosts)

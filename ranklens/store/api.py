@@ -140,6 +140,16 @@ class QueryResult:
     def to_pylist(self) -> list[dict[str, Any]]:
         return self.arrow.to_pylist()
 
+    @classmethod
+    def concat(cls, parts: Iterable[QueryResult]) -> QueryResult:
+        """The rows of several results of one query shape, in order (a query run in parts)."""
+        import pyarrow as pa
+
+        tables = [p.arrow for p in parts]
+        if len(tables) == 1:
+            return cls(tables[0])
+        return cls(pa.concat_tables(tables))
+
     def scalar(self) -> Any:
         """The single value of a one-row, one-column result."""
         if self.num_rows != 1 or self.arrow.num_columns != 1:
