@@ -15,14 +15,31 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
-from ranklens.formats import records_gen
-from ranklens.formats.records_gen import *  # noqa: F403  (the record classes, re-exported)
-from ranklens.formats.records_gen import RECORD_TYPES
-from ranklens.schema import Column, table
+from ranklens.schema import TABLES, Column, table
 
 if TYPE_CHECKING:
     import numpy as np
     import pyarrow as pa
+
+    from ranklens.formats.records_gen import *  # noqa: F403  (the record classes, re-exported)
+
+# The record classes are made on first use (PEP 562 ``__getattr__`` below): building the ~16 frozen,
+# slotted dataclasses takes ~35 ms, which a one-shot ingest or analyze never needs (issue 18). The
+# names follow scripts/gen_records.py's (tests/ground/test_records_gen.py checks they are the same).
+_RECORD_NAMES = (
+    "RECORD_TYPES",
+    "Record",
+    *("".join(p.capitalize() for p in name.split("_")) + "Record" for name in TABLES),
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RECORD_NAMES:
+        from ranklens.formats import records_gen
+
+        return getattr(records_gen, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "arrow_array",
@@ -34,12 +51,14 @@ __all__ = [
     "record_type",
     "repair_utf8",
     "to_arrow",
-    *records_gen.__all__,
+    *_RECORD_NAMES,
 ]
 
 
 def record_type(table_name: str) -> type:
     """The frozen dataclass of ``table_name`` (e.g. ``CollectivesRecord``)."""
+    from ranklens.formats.records_gen import RECORD_TYPES
+
     return RECORD_TYPES[table(table_name).name]
 
 

@@ -42,6 +42,21 @@ def test_the_checked_in_records_are_what_the_schema_generates():
     assert gen.main(["--check"]) == 0
 
 
+def test_records_re_exports_every_record_class_made_on_first_use():
+    import subprocess
+    import sys
+
+    import ranklens.records as records
+
+    assert sorted(records._RECORD_NAMES) == sorted(records_gen.__all__)
+    assert all(getattr(records, n) is getattr(records_gen, n) for n in records_gen.__all__)
+    with pytest.raises(AttributeError):
+        records.NoSuchRecord  # noqa: B018
+    # importing ranklens.records does not build them (a one-shot ingest never needs them)
+    code = "import sys, ranklens.records; print('ranklens.formats.records_gen' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
 def test_the_check_fails_on_a_stale_file(tmp_path, monkeypatch):
     gen = _generator()
     stale = tmp_path / "records_gen.py"
