@@ -71,3 +71,39 @@ def test_step_parts_cover_the_steps_once():
         parts = _step_parts(lo, hi, rows, since)
         covered = [s for a, b in parts for s in range(a, (hi if b is None else b) + 1)]
         assert covered == list(range(max(lo, since), hi + 1)) and parts[-1][1] is None
+
+
+@pytest.mark.parametrize("store", ["embedded", "server"], indirect=True)
+def test_the_compute_metric_looks_up_last_arrivals_only_where_a_collective_is_unfinished(store):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from ranklens.analyzers.compute import compute_sql
+
+    tables = simulate(SimSpec(job_id="done", steps=6, seed=5))
+    store.write_many(tables)
+    rows = store.query(compute_sql("done", 0)).rows()
+    assert rows == store.query(compute_sql("done", 0, unfinished=False)).rows()  # nothing to look up: the same
+    # the collectives of steps 3.. seen by torch's ring only (no completion time): the last arrival stands in
+    c = tables["collectives"]
+    zero = pc.greater_equal(c.column("step"), 3)
+    c = c.set_column(
+        c.schema.get_field_index("end_ns"), "end_ns", pc.if_else(zero, pa.scalar(0, pa.int64()), c.column("end_ns"))
+    )
+    c = c.set_column(c.schema.get_field_index("job_id"), "job_id", pa.array(["open"] * c.num_rows))
+    store.write_many(
+        {
+            **{
+                k: t.set_column(t.schema.get_field_index("job_id"), "job_id", pa.array(["open"] * t.num_rows))
+                for k, t in tables.items()
+                if "job_id" in t.column_names
+            },
+            "collectives": c,
+        }
+    )
+    looked_up = store.query(compute_sql("open", 0)).rows()
+    assert looked_up != store.query(compute_sql("open", 0, unfinished=False)).rows()
+    m = compute_matrix(store, "open")
+    for rank, step, dur, wait, _ in looked_up:
+        i, j = int(np.searchsorted(m.ranks, rank)), int(np.searchsorted(m.steps, step))
+        assert m.compute_s[i, j] == pytest.approx((dur - min(wait, dur)) / 1e9, rel=1e-12, abs=1e-12)
