@@ -120,6 +120,7 @@ def phase_compute_sql(
     *,
     min_step: int | None = None,
     max_step: int | None = None,
+    unfinished: bool = True,
 ) -> str:
     """Per (rank, step, phase): phase duration and time inside collectives (optionally for some
     ranks, and steps ``min_step..max_step``). The collectives are read for those ranks and steps
@@ -129,7 +130,7 @@ def phase_compute_sql(
         only += f" AND step >= {int(min_step)}"
     if max_step is not None:
         only += f" AND step <= {int(max_step)}"
-    waits = _waits_subquery(job_id, attempt, max(0, int(min_step or 0)), max_step, only)
+    waits = _waits_subquery(job_id, attempt, max(0, int(min_step or 0)), max_step, only, unfinished)
     return f"""
 SELECT rank, step, phase, dur_ns, wait_ns FROM (
 SELECT rank, step, phase, end_ns - start_ns AS dur_ns, {_WAIT_COLUMNS}
@@ -154,6 +155,7 @@ class ComputeMatrix:
     hosts: dict[int, str]
     sql: str
     unsettled: int = 0  # (rank, step) rows a settled matrix left out: their ledger is not in yet
+    unfinished: bool = True  # the ledger may hold collectives without a completion time (see compute_sql)
 
     @property
     def empty(self) -> bool:
@@ -189,7 +191,7 @@ def compute_matrix(
     flat). A rank with no collective in the window is kept as it is when no rank has one (a job
     with no collectives), and left out otherwise (its ledger has not arrived)."""
     where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
-    lo, hi, n, unfinished = (
+    lo, hi, n, n_unfinished = (
         int(x or 0)
         for x in store.query(
             f"SELECT min(step), max(step), count(), (SELECT count() FROM collectives WHERE {where} AND end_ns = 0) "
@@ -198,9 +200,10 @@ def compute_matrix(
     )
     min_step = max(0, hi - int(window_steps) + 1) if window_steps else 0
     sql = compute_sql(job_id, attempt, min_step)
+    look_up = n_unfinished > 0 or settled
     r = QueryResult.concat(
         # a live pass looks up last arrivals whatever the check said: a collective may arrive unfinished meanwhile
-        store.query(compute_sql(job_id, attempt, a, b, unfinished=unfinished > 0 or settled))
+        store.query(compute_sql(job_id, attempt, a, b, unfinished=look_up))
         for a, b in _step_parts(lo, hi, n, min_step)
     )
     if r.num_rows == 0:
@@ -227,7 +230,9 @@ def compute_matrix(
     step_start = np.full(len(steps), np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(step_start, si, start)
     labels, hosts = _peer_groups(store, job_id, attempt, ranks)
-    return ComputeMatrix(job_id, attempt, ranks, steps, compute, step_s, step_start, labels, hosts, sql, unsettled)
+    return ComputeMatrix(
+        job_id, attempt, ranks, steps, compute, step_s, step_start, labels, hosts, sql, unsettled, look_up
+    )
 
 
 # The metric holds each (rank, step)'s collectives as arrays and works through them with a dozen
@@ -277,7 +282,7 @@ def phase_excess(store: Store, cm: ComputeMatrix, rank: int, steps: np.ndarray) 
     group = cm.peer_group[int(np.searchsorted(cm.ranks, rank))]
     peers = [int(r) for r, g in zip(cm.ranks, cm.peer_group) if g == group]
     lo, hi = (int(np.min(steps)), int(np.max(steps))) if len(steps) else (None, None)
-    r = store.query(phase_compute_sql(cm.job_id, cm.attempt, peers, min_step=lo, max_step=hi))
+    r = store.query(phase_compute_sql(cm.job_id, cm.attempt, peers, min_step=lo, max_step=hi, unfinished=cm.unfinished))
     if r.num_rows == 0:
         return {}
     import pyarrow.compute as pc

@@ -84,6 +84,7 @@ def test_the_compute_metric_looks_up_last_arrivals_only_where_a_collective_is_un
     store.write_many(tables)
     rows = store.query(compute_sql("done", 0)).rows()
     assert rows == store.query(compute_sql("done", 0, unfinished=False)).rows()  # nothing to look up: the same
+    assert not compute_matrix(store, "done").unfinished
     # the collectives of steps 3.. seen by torch's ring only (no completion time): the last arrival stands in
     c = tables["collectives"]
     zero = pc.greater_equal(c.column("step"), 3)
@@ -104,6 +105,7 @@ def test_the_compute_metric_looks_up_last_arrivals_only_where_a_collective_is_un
     looked_up = store.query(compute_sql("open", 0)).rows()
     assert looked_up != store.query(compute_sql("open", 0, unfinished=False)).rows()
     m = compute_matrix(store, "open")
+    assert m.unfinished
     for rank, step, dur, wait, _ in looked_up:
         i, j = int(np.searchsorted(m.ranks, rank)), int(np.searchsorted(m.steps, step))
         assert m.compute_s[i, j] == pytest.approx((dur - min(wait, dur)) / 1e9, rel=1e-12, abs=1e-12)
