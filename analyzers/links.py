@@ -48,6 +48,7 @@ from ranklens.analyzers.tomography import (
     LinkReport,
     cell_classes,
     node_key,
+    value_codes,
 )
 from ranklens.store.api import QueryResult, Store
 from ranklens.store.api import sql_escape as _esc
@@ -373,8 +374,8 @@ def _could_be_slow(m: LinkMetrics, slow_ratio: float) -> bool:
     operations instead of the detector's per-group work (issue 18)."""
     if len(m) == 0:
         return False
-    n_of = {pg: len(g.nodes) for pg, g in m.groups.items()}
-    n_nodes = np.fromiter((n_of.get(str(p), 0) for p in m.pg), dtype=np.int64, count=len(m))
+    pg_code, pgs = value_codes(m.pg)  # per distinct group, not per cell
+    n_nodes = np.array([len(g.nodes) if (g := m.groups.get(str(p))) else 0 for p in pgs], dtype=np.int64)[pg_code]
     cls = cell_classes(m, n_nodes)
     bw = m.bw_Bps
     top = np.full(int(cls.max()) + 1, -np.inf)

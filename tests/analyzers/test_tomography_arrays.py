@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from ranklens.analyzers.tomography import Link, _cells_of_links, group_medians
+from ranklens.analyzers.tomography import Link, _cells_of_links, group_medians, value_codes
 
 
 def test_group_medians_is_np_median_per_code():
@@ -51,3 +51,17 @@ def test_link_hash_is_cached_and_equal_links_hash_alike():
     x, y = Link("pair", ("n0", "n1")), Link("pair", ("n0", "n1"))
     assert x == y and hash(x) == hash(y) == hash(("pair", ("n0", "n1")))
     assert {x: 1}[y] == 1
+
+
+def test_value_codes_number_values_by_first_appearance():
+    rng = np.random.default_rng(3)
+    words = ["all_reduce", "p2p", "", "12", "ü", "all_gather"]
+    for n in (0, 1, 5, 300):
+        for pool in (words, [1, 2, (3, 4)], ["a", None, "b"]):  # strings (Arrow), other values, a None
+            values = np.empty(n, dtype=object)
+            for k, i in enumerate(rng.integers(0, len(pool), n)):
+                values[k] = pool[int(i)]
+            seen: dict[object, int] = {}
+            expected = [seen.setdefault(v, len(seen)) for v in values.tolist()]
+            codes, distinct = value_codes(values)
+            assert codes.dtype == np.int64 and codes.tolist() == expected and distinct == list(seen)
