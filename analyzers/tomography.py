@@ -646,5 +646,15 @@ def _cells_of_links(
 
 def _link_codes(links: list[tuple[Link, ...]]) -> np.ndarray:
     """Dense codes of the cells' link tuples (the same tuple object for the cells of one group)."""
-    code: dict[int, int] = {}
-    return np.fromiter((code.setdefault(id(t), len(code)) for t in links), dtype=np.int64, count=len(links))
+    return _first_appearance(np.fromiter(map(id, links), dtype=np.int64, count=len(links)))
+
+
+def _first_appearance(keys: np.ndarray) -> np.ndarray:
+    """Dense codes of integer keys, numbered in order of first appearance (a dictionary loop's
+    numbering, on arrays)."""
+    if len(keys) == 0:
+        return np.zeros(0, dtype=np.int64)
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    return rank[inverse.reshape(-1)]

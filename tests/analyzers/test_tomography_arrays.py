@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from ranklens.analyzers.tomography import Link, _cells_of_links, group_medians, value_codes
+from ranklens.analyzers.tomography import Link, _cells_of_links, _first_appearance, group_medians, value_codes
 
 
 def test_group_medians_is_np_median_per_code():
@@ -65,3 +65,11 @@ def test_value_codes_number_values_by_first_appearance():
             expected = [seen.setdefault(v, len(seen)) for v in values.tolist()]
             codes, distinct = value_codes(values)
             assert codes.dtype == np.int64 and codes.tolist() == expected and distinct == list(seen)
+
+
+def test_first_appearance_numbers_keys_as_a_dictionary_loop():
+    rng = np.random.default_rng(4)
+    for n in (0, 1, 7, 500):
+        keys = rng.integers(-5, 40, n) * 10**12  # ids are large
+        seen: dict[int, int] = {}
+        assert _first_appearance(keys).tolist() == [seen.setdefault(int(k), len(seen)) for k in keys]
