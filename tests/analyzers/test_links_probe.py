@@ -100,6 +100,7 @@ def test_public_names():
         "LinkDetector",
         "LinkReport",
         "node_key",
+        "value_codes",
     }
     assert set(ranklens.analyzers.correlate.__all__) == {
         "RelatedEvent",
