@@ -71,9 +71,14 @@ def _q(url: str, sql: str):
 
 
 def _raw_segment(path: Path, table: str, lines: list[bytes]) -> Path:
-    """A segment written byte for byte (what an older tracer, or a foreign writer, left)."""
+    """A segment written byte for byte (what an older tracer, or a foreign writer, left), whole at
+    once as the spool's writers do (a hidden name, then a rename): a collector passing while a plain
+    write had created the file but not filled it read an empty segment, shipped its nothing and
+    removed it (a soak run lost its invalid-UTF-8 segment that way)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(header_line(table).encode() + b"".join(ln + b"\n" for ln in lines))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(header_line(table).encode() + b"".join(ln + b"\n" for ln in lines))
+    os.replace(tmp, path)
     return path
 
 
