@@ -79,6 +79,10 @@ log = logging.getLogger("ranklens.collector")
 QUARANTINE = "quarantine"
 COMPACT_EVERY = 20
 PROBE_SEGMENTS = 16  # while the store fails, a pass tries this many segments before reading them all
+# An empty segment younger than this stays for a later pass: a writer that creates its segment in
+# place (not under a hidden name, then a rename, as ranklens' own writers do) may not have written
+# it yet. Older, it is an empty table: removed, nothing shipped.
+EMPTY_SEGMENT_GRACE_S = 30.0
 _DEFAULT_BUDGET = SpoolBudget()  # frozen: one default shared by every shipper
 
 
@@ -97,6 +101,7 @@ class ShipResult:
     more: bool = False  # the spool held more segments than one pass takes (``max_segments``)
     removed: int = 0  # segments gone from the spool: stored and deleted (or gone already)
     passes: int = 1
+    waiting: int = 0  # empty segments left for a later pass (younger than EMPTY_SEGMENT_GRACE_S)
 
     @property
     def ok(self) -> bool:
@@ -114,6 +119,7 @@ class ShipResult:
         self.already_stored += other.already_stored
         self.partial += other.partial
         self.error, self.busy, self.more = other.error, other.busy, other.more
+        self.waiting = other.waiting  # the spool as the last pass left it
         self.passes += other.passes
 
 
@@ -388,6 +394,9 @@ class Shipper:
                 if self._quarantine(seg, reason):
                     result.quarantined += 1
                 continue
+            if not content and _young(seg):
+                result.waiting += 1  # perhaps still being written in place: the next pass looks again
+                continue
             segments.append(Segment(seg, rel, name, data, ingest_id_of(rel, content)))
             with self._budget_lock:
                 self._inflight.add(rel)
@@ -409,7 +418,7 @@ class Shipper:
         self._record_result_drops(result)
         result.more = probing or len(pending) >= self.max_segments  # a probe that got through: the rest next
         if result.ok and not probing and len(pending) < self.max_segments:
-            self.spool_bytes, self.spool_segments, self.spool_oldest = 0, 0, None  # drained
+            self.spool_bytes, self.spool_segments, self.spool_oldest = 0, result.waiting, None  # drained
         return result
 
     def _record_result_drops(self, result: ShipResult) -> None:
@@ -608,6 +617,14 @@ class Shipper:
         """Ship in the background (a pass at once, then every ``interval_s``) until
         :meth:`ShipLoop.close`, which makes one last pass. See :class:`ShipLoop`."""
         return ShipLoop(self, interval_s=interval_s, on_pass=on_pass)
+
+
+def _young(path: Path) -> bool:
+    """Whether ``path`` changed within the last ``EMPTY_SEGMENT_GRACE_S`` seconds (gone: no)."""
+    try:
+        return time.time() - path.stat().st_mtime < EMPTY_SEGMENT_GRACE_S
+    except OSError:
+        return False
 
 
 class ShipLoop:

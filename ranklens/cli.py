@@ -743,6 +743,8 @@ def collect(
             parts.append(f"{shipper.undeletable} stored but not deletable (check the spool's permissions)")
         if r.quarantined:
             parts.append(f"{r.quarantined} quarantined")
+        if r.waiting:
+            parts.append(f"{r.waiting} empty and just written: left for the next run (still being written?)")
         if r.already_stored:
             parts.append(f"{r.already_stored} already stored (not sent again)")
         if r.evicted:

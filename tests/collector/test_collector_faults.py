@@ -580,3 +580,33 @@ def test_collect_ships_a_spool_of_more_segments_than_one_pass_takes(tmp_path):
     assert f"{n} segment(s) in 2 passes" in r.stderr, r.stderr[-2000:]
     assert _q(url, "SELECT count(), uniqExact(step) FROM steps WHERE job_id = 'long'") == [(n, n)]
     assert not _pending(spool, "long")
+
+
+def test_an_empty_segment_just_created_in_place_waits_for_its_writer(tmp_path):
+    """A foreign writer that creates its segment in place (no hidden name and rename) shows it empty
+    for a moment: a collector passing then read an empty table, shipped nothing and removed the
+    file, and the rows written next were lost. A young empty segment now waits for a later pass;
+    an old one is removed as the empty table it is."""
+    spool, url = tmp_path / "spool", f"embedded://{tmp_path / 'store'}"
+    seg = spool / "inplace" / "0" / "rank-0" / "steps.7.00000001.jsonl"
+    seg.parent.mkdir(parents=True)
+    with open(seg, "wb") as f:  # created, not written yet
+        r = _run("collect", "--store", url, "--spool", str(spool))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "1 empty and just written: left for the next run" in r.stderr, r.stderr[-2000:]
+        assert seg.exists()
+        row = b'{"job_id":"inplace","rank":0,"step":%d,"start_ns":%d,"end_ns":%d}'
+        rows = [row % (s, 1 + s, 2 + s) for s in range(4)]
+        f.write(header_line("steps").encode() + b"".join(ln + b"\n" for ln in rows))
+    r = _run("collect", "--store", url, "--spool", str(spool))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _q(url, "SELECT count() FROM steps WHERE job_id = 'inplace'") == [(4,)]
+    assert not seg.exists()
+
+    old = spool / "inplace" / "0" / "rank-0" / "steps.7.00000002.jsonl"
+    old.write_bytes(b"")
+    os.utime(old, (time.time() - 120, time.time() - 120))  # empty for two minutes: an empty table
+    r = _run("collect", "--store", url, "--spool", str(spool))
+    assert r.returncode == 0 and "empty and just written" not in r.stderr, r.stderr[-2000:]
+    assert not old.exists()
+    assert _q(url, "SELECT count() FROM steps WHERE job_id = 'inplace'") == [(4,)]
