@@ -800,6 +800,60 @@ def _sane(ts: int, default_ns: int) -> int:
     return ts if 946_684_800 * 10**9 <= ts <= default_ns + 86_400 * 10**9 else default_ns
 
 
+class _ReadAhead:
+    """``readinto`` over a binary file whose next chunk a thread has already read: a read from
+    the page cache (~1.5 GB/s here, without the GIL) runs beside the search and the line count of
+    the chunk before, and a chunk costs the reader one copy in memory (~10 GB/s). Two chunk
+    buffers; an error of the read is raised by the ``readinto`` that would have returned it."""
+
+    def __init__(self, f: Any, size: int) -> None:
+        import queue
+
+        self._f, self._size = f, size
+        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        self._full: queue.Queue[tuple[bytearray, int] | BaseException] = queue.Queue()
+        self._stop = threading.Event()
+        for _ in range(2):
+            self._free.put(bytearray(size))
+        self._eof = False
+        self._thread = threading.Thread(target=self._read, name="ranklens-log-read", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            while not self._stop.is_set():
+                buf = self._free.get()
+                if self._stop.is_set():
+                    return
+                n = self._f.readinto(buf)
+                self._full.put((buf, n or 0))
+                if not n:
+                    return
+        except BaseException as e:  # the reader's error is the caller's, at its next readinto
+            self._full.put(e)
+
+    def readinto(self, out: Any) -> int:
+        if self._eof:
+            return 0
+        got = self._full.get()
+        if isinstance(got, BaseException):
+            self._eof = True
+            raise got
+        buf, n = got
+        if n > len(out):  # a caller asking for less than a chunk: never here (one size for both)
+            raise ValueError(f"read-ahead chunk of {n} bytes for a {len(out)}-byte buffer")
+        out[:n] = memoryview(buf)[:n]
+        self._free.put(buf)
+        if not n:
+            self._eof = True
+        return n
+
+    def close(self) -> None:
+        self._stop.set()
+        self._free.put(bytearray(0))  # wakes a reader waiting for a buffer
+        self._thread.join()
+
+
 def classify_file(
     path: str | Path,
     rules: RuleSet | None = None,
@@ -820,9 +874,15 @@ def classify_file(
     lf = LogFilter(rules, engine=engine)
     sf = lf.stream(source=str(path), stream="file")
     now = time.time_ns()
-    with open(path, "rb", buffering=0) as f:
-        while sf.feed_from(f, chunk_bytes, now_ns=now):
-            yield from sf.take_ready()
+    with open(path, "rb", buffering=0) as raw:
+        # with a second processor, the next chunk is read while this one is searched and counted
+        f: Any = _ReadAhead(raw, chunk_bytes) if lf.cpus > 1 else raw
+        try:
+            while sf.feed_from(f, chunk_bytes, now_ns=now):
+                yield from sf.take_ready()
+        finally:
+            if f is not raw:
+                f.close()
     sf.feed(b"", now_ns=now, eof=True)
     yield from sf.flush()
     if stats is not None:

@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from ranklens.collector import _hs_cache, _scan, logfilter
 from ranklens.collector.logfilter import FilterStats, LogFilter, classify_file
 from ranklens.collector.rules import LogRule, RuleSet
 from ranklens.errors import ConfigError
+from tests._sync import wait_until
 
 DATA = Path(__file__).parent.parent / "data" / "logs" / "real_log_lines.jsonl"
 LINES = [json.loads(line)["line"] for line in DATA.read_text().splitlines()]
@@ -197,3 +199,49 @@ def test_search_hints_match_wherever_their_patterns_do():
         hits = [x for x in lines if re.search(pattern, x, flags)]
         assert hits, pattern  # the labelled lines exercise it
         assert all(re.search(hint, x, flags) for x in hits)
+
+
+def test_read_ahead_gives_the_file_whole_and_raises_its_read_errors(tmp_path):
+    data = b"".join(b"line %d\n" % i for i in range(20000))
+    p = tmp_path / "f.log"
+    p.write_bytes(data)
+    with open(p, "rb", buffering=0) as raw:
+        ra = logfilter._ReadAhead(raw, 4096)
+        buf, got = bytearray(4096), []
+        while n := ra.readinto(memoryview(buf)):
+            got.append(bytes(buf[:n]))
+        assert b"".join(got) == data and ra.readinto(memoryview(buf)) == 0
+        ra.close()
+
+    class Failing:
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def readinto(self, b: bytearray) -> int:
+            self.reads += 1
+            if self.reads > 2:
+                raise OSError(5, "Input/output error")
+            b[:3] = b"ab\n"
+            return 3
+
+    ra = logfilter._ReadAhead(Failing(), 64)
+    buf = bytearray(64)
+    assert ra.readinto(memoryview(buf)) == 3 and ra.readinto(memoryview(buf)) == 3
+    with pytest.raises(OSError, match="Input/output error"):
+        ra.readinto(memoryview(buf))
+    ra.close()
+
+
+def test_a_read_ahead_closed_early_stops_its_reader(tmp_path, monkeypatch):
+    p = tmp_path / "f.log"
+    p.write_bytes(b"benign\n" * 200000)
+    with open(p, "rb", buffering=0) as raw:
+        ra = logfilter._ReadAhead(raw, 4096)
+        buf = bytearray(4096)
+        assert ra.readinto(memoryview(buf)) == 4096
+        wait_until(ra._free.empty, 10, "the reader to wait for a free buffer")
+        ra.close()
+        assert not ra._thread.is_alive()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    assert list(classify_file(p, chunk_bytes=4096)) == []
+    assert not [t for t in threading.enumerate() if t.name == "ranklens-log-read"]
