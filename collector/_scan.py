@@ -8,7 +8,7 @@ superset and all engines classify identically.
 
 Engines, fastest first: Hyperscan (``hyperscan`` on PyPI, x86-64), RE2 (``google-re2``), Python
 ``re``. ``auto`` takes the first one that is installed and accepts every pattern. Hyperscan's
-compiled database is cached on disk (``_hs_cache.py``: ~0.08 s to compile the 49 built-in rules,
+compiled database is cached on disk (``_hs_cache.py``: ~0.08 s to compile the 50 built-in rules,
 ~0.1 ms to load), and Hyperscan searches without the GIL, so the filter searches a big chunk in
 two lanes at once (``logfilter.SEARCH_LANES``). Measured with ``bench/logfilter_bench.py`` (1M
 lines, 132 MB, the whole ``ranklens logs classify`` process against ``grep -E -f`` with the same

@@ -355,10 +355,11 @@ BUILTIN_RULES: tuple[LogRule, ...] = (
     _r(
         "nan_loss",
         "nan_loss",
-        r"(?:loss|grad[ _]norm)['\"]? *[:=] *['\"]?[-+]?(?:nan|inf)\b|loss is (?:nan|inf)\b|found (?:nan|inf) in|"
-        r"nan or inf found in|returned nan values|nan (?:detected|encountered)|encountered (?:a )?nan\b|"
-        r"number of nan iterations: *[1-9]|"
-        r"is non-finite|non-finite (?:loss|grad)",
+        r"(?:loss|grad[ _]norm)['\"]?(?: *[:=] *| +)['\"]?[-+]?(?:nan|inf)\b|loss is (?:nan|inf)\b|"
+        r"found (?:nan|inf) in|nan or inf found in|returned nan values|nan (?:detected|encountered)|"
+        r"encountered (?:a )?nan\b|number of nan iterations: *[1-9]|"
+        r"is non-finite|(?:: *|(?:detected|encountered|found|got|caught) +(?:an? +)?)non-finite (?:loss|grad)|"
+        r"non-finite (?:loss|grad)[a-z]* (?:detected|encountered|found|at step|in step|on rank)",
         "error",
         65,
         ci=True,
@@ -466,6 +467,16 @@ BUILTIN_RULES: tuple[LogRule, ...] = (
         r"Broken pipe|Timed out waiting [0-9]+ms for (?:send|recv) operation|NIC Link is Down|: Link down\b|"
         r"socket\.(?:gaierror|timeout)|Connection(?:Reset|Aborted|Refused)Error|"
         r"requests\.exceptions\.(?:ConnectionError|ConnectTimeout|ReadTimeout)",
+        "error",
+        45,
+    ),
+    # RDMA work completions that failed (verbs status names, the mlx5 driver's CQE report): the fabric
+    # dropped a transfer after its retries (NCCL's own "Got completion from peer" is nccl_error)
+    _r(
+        "ib_completion",
+        "network",
+        r"(?:transport|RNR) retry counter exceeded|IBV_WC_[A-Z_]*_ERR\b|\bWC error: [0-9]+|"
+        r"error_cqe.*(?:syndrome|[Ee]rror)",
         "error",
         45,
     ),
