@@ -24,6 +24,7 @@ clock       ``cpu``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -107,7 +108,8 @@ def load_dumps(paths: str | Path | Sequence[str | Path]) -> list[FRDump]:
 
     Raises:
         IngestError: a missing path, no dump found, a malformed dump, or two dumps of one rank
-            (e.g. a directory holding both the pickle and the JSON dumps: point at one of them).
+            (the pickle and the JSON copy of one dump, as torch writes them side by side, are read
+            once: the pickle, which has the stack frames).
     """
     return _read_dumps(paths, strict=True)[0]
 
@@ -151,14 +153,41 @@ def _read_dumps(paths: str | Path | Sequence[str | Path], *, strict: bool) -> tu
             bad.append(UnreadableDump(str(f), rank_from_name(f), str(e)))
             continue
         if d.rank in by_rank:
+            kept = by_rank[d.rank]
+            if _same_dump(kept, d):
+                # one dump in two formats (torch writes both when asked: fr_pickle/ and fr_json/):
+                # read once, the copy with the stack frames (JSON dumps carry none)
+                if _frames(d) > _frames(kept):
+                    by_rank[d.rank] = d
+                continue
             raise IngestError(
                 str(f),
                 "",
-                f"rank {d.rank} already read from {by_rank[d.rank].source_path}; give one dump per rank "
-                "(a folder with both fr_pickle/ and fr_json/ holds each rank twice: point at one)",
+                f"rank {d.rank} already read from {kept.source_path}, a different dump; give one dump per "
+                "rank (dumps of two runs or two moments of one run: point at one of them)",
             )
         by_rank[d.rank] = d
     return [by_rank[r] for r in sorted(by_rank)], bad
+
+
+def _frames(d: FRDump) -> int:
+    return sum(len(e.frames) for e in d.entries)
+
+
+def _same_dump(a: FRDump, b: FRDump) -> bool:
+    """Whether ``a`` and ``b`` are one dump (the pickle and the JSON torch writes of it): every
+    field equal but the path, the format and the entries' stack frames (which JSON leaves out)."""
+    if (a.rank, a.version, a.pg_status, a.pg_config, a.comm_lib_version) != (
+        b.rank,
+        b.version,
+        b.pg_status,
+        b.pg_config,
+        b.comm_lib_version,
+    ):
+        return False
+    return len(a.entries) == len(b.entries) and all(
+        dataclasses.replace(x, frames=()) == dataclasses.replace(y, frames=()) for x, y in zip(a.entries, b.entries)
+    )
 
 
 # ---------------------------------------------------------------------------------------- parsing

@@ -135,9 +135,25 @@ def test_group_progress_per_process_group():
 # ------------------------------------------------------------------------- loading, bad input
 
 
-def test_directory_with_both_formats_is_refused_clearly():
-    with pytest.raises(IngestError, match=r"rank 0 already read from .*point at one"):
-        load_dumps(DATA / "desync")
+def test_a_directory_with_both_formats_of_one_dump_reads_each_rank_once():
+    """torch's recorder can write each dump as a pickle and as JSON side by side (the recorded sets
+    keep both, in fr_pickle/ and fr_json/): the folder above them is one dump per rank, read once,
+    from the pickle (JSON dumps have no stack frames)."""
+    both = load_dumps(DATA / "desync")
+    pickles = load_dumps(DATA / "desync" / "fr_pickle")
+    assert [d.rank for d in both] == [0, 1, 2, 3]
+    assert [d.source_path for d in both] == [d.source_path for d in pickles]
+    assert all(e.frames for d in both for e in d.entries)
+    assert group_progress(both) == group_progress(pickles)
+    # the JSON copy named first: still the pickle's frames in the end
+    assert [d.source_path for d in load_dumps([DATA / "desync" / "fr_json", DATA / "desync" / "fr_pickle"])] == [
+        d.source_path for d in pickles
+    ]
+
+
+def test_two_different_dumps_of_one_rank_are_refused_clearly():
+    with pytest.raises(IngestError, match=r"rank 0 already read from .*a different dump.*point at one"):
+        load_dumps([DATA / "desync" / "fr_pickle", DATA / "healthy" / "fr_json" / "fr_trace_rank_0.json"])
 
 
 def test_rank_from_the_dumps_own_field_else_the_file_name(tmp_path):
