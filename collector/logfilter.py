@@ -875,8 +875,10 @@ def classify_file(
     sf = lf.stream(source=str(path), stream="file")
     now = time.time_ns()
     with open(path, "rb", buffering=0) as raw:
-        # with a second processor, the next chunk is read while this one is searched and counted
-        f: Any = _ReadAhead(raw, chunk_bytes) if lf.cpus > 1 else raw
+        # with a second processor, the next chunk is read while this one is searched and counted (a
+        # file of one chunk or less, or a pipe, is read as it is)
+        ahead = lf.cpus > 1 and os.fstat(raw.fileno()).st_size > chunk_bytes
+        f: Any = _ReadAhead(raw, chunk_bytes) if ahead else raw
         try:
             while sf.feed_from(f, chunk_bytes, now_ns=now):
                 yield from sf.take_ready()
