@@ -809,7 +809,7 @@ class _ReadAhead:
     def __init__(self, f: Any, size: int) -> None:
         import queue
 
-        self._f, self._size = f, size
+        self._f = f
         self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._full: queue.Queue[tuple[bytearray, int] | BaseException] = queue.Queue()
         self._stop = threading.Event()
