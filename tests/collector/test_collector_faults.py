@@ -582,12 +582,12 @@ def test_collect_ships_a_spool_of_more_segments_than_one_pass_takes(tmp_path):
     assert not _pending(spool, "long")
 
 
-def test_an_empty_segment_just_created_in_place_waits_for_its_writer(tmp_path):
+def test_an_empty_segment_just_created_in_place_waits_for_its_writer(tmp_path, store_url):
     """A foreign writer that creates its segment in place (no hidden name and rename) shows it empty
     for a moment: a collector passing then read an empty table, shipped nothing and removed the
     file, and the rows written next were lost. A young empty segment now waits for a later pass;
     an old one is removed as the empty table it is."""
-    spool, url = tmp_path / "spool", f"embedded://{tmp_path / 'store'}"
+    spool, url = tmp_path / "spool", store_url
     seg = spool / "inplace" / "0" / "rank-0" / "steps.7.00000001.jsonl"
     seg.parent.mkdir(parents=True)
     with open(seg, "wb") as f:  # created, not written yet
