@@ -212,6 +212,10 @@ def _read_jsonl_strict(path: Path, table: str | None) -> tuple[str, Any]:
                         )
                     declared = obj.get("table")
                     continue
+                if not rows and declared is None:
+                    # no header: the table is told now or never (a file that cannot say is refused
+                    # before its millions of lines are parsed into memory)
+                    _resolve_table(path, table, None)
                 rows.append(obj)
                 line_nos.append(no)
         except UnicodeDecodeError as e:

@@ -36,6 +36,20 @@ def test_table_from_file_name_and_option(tmp_path):
         read_jsonl(q)
 
 
+def test_an_unnamed_headerless_file_is_refused_at_its_first_row(tmp_path, monkeypatch):
+    """Neither a header, nor --table, nor a table's name: refused as soon as the first row shows it,
+    not after every line was parsed into memory (a 1 GB file took as long as its parse to say so)."""
+    import ranklens.formats.rows as rows
+
+    parsed = []
+    real_loads = json.loads
+    monkeypatch.setattr(rows.json, "loads", lambda s, *a, **k: parsed.append(s) or real_loads(s, *a, **k))
+    p = _jsonl(tmp_path / "x.jsonl", *[ROW] * 50, raw="not json\n")
+    with pytest.raises(IngestError, match="cannot tell which table"):
+        read_jsonl(p)
+    assert len(parsed) <= 2  # the fast reader's look at a header, then the first row
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [
