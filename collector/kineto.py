@@ -1,20 +1,22 @@
 """Kineto (torch.profiler) Chrome traces into the ``trace_events`` table, streamed.
 
-Ingest is two passes over each file: the first validates all of it (JSON syntax, gzip integrity,
-event fields), the second writes; so a corrupt or truncated trace raises :class:`IngestError` and
-writes nothing. The reader (times, kernels, NCCL fields) is the ground floor's
+Ingest reads each file once, validating all of it (JSON syntax, gzip integrity, event fields)
+while its batches go to a temporary Arrow file; only when every file is whole are the batches
+written from there; so a corrupt or truncated trace raises :class:`IngestError` and writes
+nothing. The reader (times, kernels, NCCL fields) is the ground floor's
 :mod:`ranklens.formats.kineto`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ranklens.errors import IngestError
 from ranklens.formats.digest import feed_file
-from ranklens.formats.kineto import check_kineto, is_kineto_file, iter_kineto_batches, kineto_info
+from ranklens.formats.kineto import is_kineto_file, kineto_info, spill_kineto
 from ranklens.store.api import Store
 from ranklens.store.once import write_once
 
@@ -39,8 +41,9 @@ def ingest_kineto(
 ) -> dict[str, int]:
     """Ingest Kineto traces (files, or directories searched for *.json / *.json.gz traces).
 
-    Every file is validated completely before anything is written (first pass); then each is
-    streamed into the store in bounded batches (second pass). Without ``job_id``, the traces of one
+    Every file is read and validated completely before anything is written (first pass, its
+    batches kept in a temporary Arrow file under ``$TMPDIR``); then each file's batches are
+    written from there (second pass, no second parse). Without ``job_id``, the traces of one
     directory form one job (``kineto-<directory>-<hash>``).
 
     Returns:
@@ -60,19 +63,25 @@ def ingest_kineto(
         raise IngestError(
             ", ".join(map(str, paths)), "", "no Kineto traces found (*.json or *.json.gz with traceEvents)"
         )
-    infos = {f: kineto_info(f) for f in files}  # the metadata once per file (it may follow the events)
-    for f in files:  # pass 1: validate everything, keep nothing
-        check_kineto(f, job_id=job_id or _default_job_id(f), attempt=attempt, rank=rank, info=infos[f])
     total = 0
-    for f in files:  # pass 2: write; a batch the store holds already (the same trace ingested before) is skipped
-        job = job_id or _default_job_id(f)
-        key = [b"kineto", _content_digest(f), job.encode(), str(attempt).encode(), str(rank).encode()]
-        batches = iter_kineto_batches(f, job_id=job, attempt=attempt, rank=rank, info=infos[f])
-        for i, batch in enumerate(batches):
-            written, _already = write_once(store, {"trace_events": batch}, [*key, str(i).encode()])
-            total += written.get("trace_events", 0)
-        if progress:
-            progress(f)
+    with tempfile.TemporaryDirectory(prefix="ranklens-kineto-") as tmp:
+        spills = []
+        # pass 1: read and validate every file, write nothing
+        for n, f in enumerate(files):
+            job = job_id or _default_job_id(f)
+            key = [b"kineto", _content_digest(f), job.encode(), str(attempt).encode(), str(rank).encode()]
+            info = kineto_info(f)  # the metadata (it may follow the events)
+            spilled = spill_kineto(f, Path(tmp) / f"{n}.arrow", job_id=job, attempt=attempt, rank=rank, info=info)
+            spills.append((key, spilled))
+        # pass 2: write from the spilled batches; a batch the store holds already (the same trace
+        # ingested before) is skipped
+        for key, spilled in spills:
+            for i, batch in enumerate(spilled):
+                written, _already = write_once(store, {"trace_events": batch}, [*key, str(i).encode()])
+                total += written.get("trace_events", 0)
+            spilled.path.unlink(missing_ok=True)
+            if progress:
+                progress(spilled.source)
     return {"trace_events": total}
 
 

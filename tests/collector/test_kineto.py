@@ -121,3 +121,70 @@ def test_batches_are_built_in_pieces_with_the_same_rows_and_bounds():
     import pyarrow as pa
 
     assert pa.concat_tables(pieced).equals(pa.concat_tables(whole))
+
+
+def test_info_keys_are_the_top_level_ones_wherever_they_are(tmp_path):
+    """kineto_info parses only for the keys the file names: distributedInfo before the events,
+    baseTimeNanoseconds after them (past the first 1 MB read, a name across two reads), and a key
+    named only inside an event is not taken for the top-level one."""
+    from ranklens.formats.kineto import kineto_info
+
+    events = [{"ph": "X", "name": "k", "ts": 1, "dur": 1}]
+    doc = {"distributedInfo": {"rank": 5}, "traceEvents": events, "pad": "", "baseTimeNanoseconds": 42}
+    bare = json.dumps(doc, separators=(",", ":")).index('"baseTimeNanoseconds":42')
+    doc["pad"] = "x" * ((1 << 20) - 10 - bare)  # the trailing key's name across the first 1 MB read
+    text = json.dumps(doc, separators=(",", ":"))
+    start = text.index('"baseTimeNanoseconds":42')
+    assert start < 1 << 20 < start + len('"baseTimeNanoseconds"')
+    full = tmp_path / "rank5.json.gz"
+    full.write_bytes(gzip.compress(text.encode()))
+    assert kineto_info(full) == {"distributedInfo": {"rank": 5}, "baseTimeNanoseconds": 42}
+
+    del doc["baseTimeNanoseconds"]  # named by an event only: no top-level value
+    doc["traceEvents"] = [
+        {"ph": "X", "name": "baseTimeNanoseconds", "ts": 1, "dur": 1, "args": {"baseTimeNanoseconds": 7}}
+    ]
+    inner = tmp_path / "inner.json"
+    inner.write_text(json.dumps(doc))
+    assert kineto_info(inner) == {"distributedInfo": {"rank": 5}}
+    assert kineto_info(inner, ("cuptiVersion",)) == {}
+
+
+def test_a_trace_is_parsed_once_and_its_spilled_batches_are_the_readers(tmp_path, embedded_store, monkeypatch):
+    """Ingest parses each trace once: its batches go to a temporary Arrow file while the whole set
+    is validated, and are written from there (the same rows and bounds as the reader's batches,
+    so the same write-once keys); the temporary files are gone afterwards, also after a refusal."""
+    import tempfile
+
+    import ranklens.formats.kineto as fk
+
+    trace = DATA / "hta_recsys_a100_80gb_rank0_of16" / "rank0.json.gz"  # two batches: 50,000 rows + the rest
+    direct = list(fk.iter_kineto_batches(trace, job_id="j"))
+    spilled = fk.spill_kineto(trace, tmp_path / "t.arrow", job_id="j")
+    replayed = list(spilled)
+    assert len(direct) == 2 and [t.num_rows for t in replayed] == [t.num_rows for t in direct] == spilled.batch_rows
+    assert all(a.equals(b) for a, b in zip(direct, replayed))
+    assert [t.num_rows for t in spilled] == spilled.batch_rows  # replayed as often as asked
+
+    parses = []
+    real = fk._row_lists
+    monkeypatch.setattr(fk, "_row_lists", lambda p, *a, **k: parses.append(p) or real(p, *a, **k))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert ingest_kineto(embedded_store, [trace], job_id="once") == {"trace_events": spilled.rows}
+    assert parses == [trace]
+    assert not list((tmp_path / "tmp").iterdir())
+    bad = tmp_path / "rank1.json"
+    bad.write_text('{"traceEvents": [{"ph": "X", "name": "k", "ts": 1, "dur": 1}, ')
+    with pytest.raises(IngestError, match="corrupt or truncated"):
+        ingest_kineto(embedded_store, [trace, bad], job_id="twice")
+    assert not list((tmp_path / "tmp").iterdir())
+    assert embedded_store.query("SELECT count() FROM trace_events WHERE job_id = 'twice'").scalar() == 0
+
+
+def test_a_spill_that_cannot_be_written_is_a_clear_error(tmp_path):
+    from ranklens.formats.kineto import spill_kineto
+
+    trace = DATA / "hta_recsys_2rank_of128" / "sampled_rank-0.json.gz"
+    with pytest.raises(IngestError, match=r"cannot keep the parsed trace in .*TMPDIR"):
+        spill_kineto(trace, tmp_path / "missing" / "t.arrow", job_id="j")
