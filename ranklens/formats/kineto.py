@@ -25,6 +25,7 @@ from ranklens.errors import IngestError
 
 __all__ = [
     "INFO_KEYS",
+    "SpillError",
     "SpilledTrace",
     "check_kineto",
     "is_kineto_file",
@@ -245,6 +246,10 @@ def check_kineto(
     return sum(len(rows) for _ident, rows in _row_lists(Path(path), job_id, attempt, rank, 50_000, info))
 
 
+class SpillError(IngestError):
+    """The parsed trace could not be kept in its temporary file (the disk, not the trace)."""
+
+
 class SpilledTrace:
     """A trace read once, its batches kept in an Arrow IPC file: iterating gives the batches
     :func:`iter_kineto_batches` gives (same rows, same bounds), read back from the file one batch
@@ -282,8 +287,8 @@ def spill_kineto(
     """Read a whole trace once, as :func:`iter_kineto_batches` would, into the Arrow IPC file
     ``spill`` (lz4): the validation pass of an ingest that writes nothing until every trace is
     whole, whose writes then replay the file instead of parsing the JSON a second time (the parse
-    is most of an ingest). Raises IngestError: the trace is not readable, or ``spill`` cannot be
-    written (a full or missing temporary directory)."""
+    is most of an ingest). Raises IngestError: the trace is not readable; SpillError (an
+    IngestError) when ``spill`` cannot be written (a full or missing temporary directory)."""
     import pyarrow as pa
 
     p, out = Path(path), Path(spill)
@@ -307,7 +312,7 @@ def spill_kineto(
                     writer.close()
     except OSError as e:  # pyarrow's I/O errors are OSErrors too
         out.unlink(missing_ok=True)
-        raise IngestError(
+        raise SpillError(
             str(p), "", f"cannot keep the parsed trace in {out.parent} ({e}); point TMPDIR at a disk with room"
         ) from None
     except BaseException:
