@@ -61,9 +61,8 @@ def _ship_trace(sh: Shipper, result: ShipResult, trace: Path, spill: Path) -> bo
         with open(trace, "rb") as f:
             base = ingest_id_of(rel, iter(lambda: f.read(1 << 20), b""))
         info = kineto_info(trace)
-        spilled = spill_kineto(
-            trace, spill, job_id=job, attempt=int(attempt), info=info
-        )  # all of it, before writing any
+        # all of it, before writing any
+        spilled = spill_kineto(trace, spill, job_id=job, attempt=int(attempt), info=info)
     except FileNotFoundError:
         sh._forget(rel)
         return True
