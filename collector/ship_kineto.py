@@ -76,7 +76,7 @@ def _ship_trace(sh: Shipper, result: ShipResult, trace: Path, spill: Path) -> bo
     try:
         skip: set[int] = set()
         if rel in sh.in_doubt:
-            skip = settle_trace(sh.store, trace, job, int(attempt), base, rows=spilled.batch_rows)
+            skip = settle_trace(sh.store, job, base, spilled.batch_rows)
         sh._journal.write(sh.in_doubt | {rel})
         sh.in_doubt.add(rel)
         for i, batch in enumerate(spilled):
@@ -96,16 +96,9 @@ def _ship_trace(sh: Shipper, result: ShipResult, trace: Path, spill: Path) -> bo
     return True
 
 
-def settle_trace(
-    store: Store, trace: Path, job: str, attempt: int, base: int, *, rows: Sequence[int] | None = None
-) -> set[int]:
+def settle_trace(store: Store, job: str, base: int, rows: Sequence[int]) -> set[int]:
     """The batch ids of a trace in doubt that the store holds in full (not to send again); the rows
-    of batches it holds in part are discarded. ``rows``: the trace's batch sizes, when the caller
-    has read it already (else it is read here)."""
-    if rows is None:
-        from ranklens.formats.kineto import iter_kineto_batches
-
-        rows = [b.num_rows for b in iter_kineto_batches(trace, job_id=job, attempt=attempt)]
+    of batches it holds in part are discarded. ``rows``: the trace's batch sizes, as it was read."""
     sizes = {batch_id(base, i): n for i, n in enumerate(rows)}
     found = present(store, TRACE_TABLE, list(sizes), [job])
     partial = [i for i, n in found.items() if 0 < n < sizes.get(i, 0)]

@@ -2,7 +2,8 @@
 
 A trace can be hundreds of MB: it is never loaded whole. ``ijson`` walks ``traceEvents`` item by
 item and rows are built in bounded batches; a corrupt or truncated trace raises :class:`IngestError`
-(the collector's ``ingest_kineto`` reads a file twice, validating before it writes).
+(:func:`spill_kineto` reads a file once into a temporary Arrow file, so that an ingest validates
+every trace before it writes any).
 
 Times: Kineto's ``ts``/``dur`` are microseconds; when the trace has ``baseTimeNanoseconds``, ``ts`` is
 relative to it. Kernels carry ``args.device``/``args.stream``/``args.correlation``; NCCL kernels
@@ -27,7 +28,6 @@ __all__ = [
     "INFO_KEYS",
     "SpillError",
     "SpilledTrace",
-    "check_kineto",
     "is_kineto_file",
     "iter_kineto_batches",
     "kineto_info",
@@ -238,14 +238,6 @@ def iter_kineto_batches(
 _PIECE_ROWS = 10_000
 
 
-def check_kineto(
-    path: str | Path, *, job_id: str, attempt: int = 0, rank: int | None = None, info: dict[str, Any] | None = None
-) -> int:
-    """Read a whole trace as :func:`iter_kineto_batches` would, building nothing: the number of
-    complete events it holds. Raises IngestError (the validation pass before anything is written)."""
-    return sum(len(rows) for _ident, rows in _row_lists(Path(path), job_id, attempt, rank, 50_000, info))
-
-
 class SpillError(IngestError):
     """The parsed trace could not be kept in its temporary file (the disk, not the trace)."""
 
@@ -260,7 +252,10 @@ class SpilledTrace:
         self.path = spill
         self._tables = tables  # record batches per yielded table
         self.batch_rows = rows  # rows per yielded table
-        self.rows = sum(rows)
+
+    @property
+    def rows(self) -> int:
+        return sum(self.batch_rows)
 
     def __iter__(self) -> Iterator[Any]:
         import pyarrow as pa
