@@ -77,6 +77,7 @@ __all__ = [
 log = logging.getLogger("ranklens.collector")
 
 QUARANTINE = "quarantine"
+TO_COUNT = ".tocount"  # beside a quarantined segment whose drop row is not recorded yet
 COMPACT_EVERY = 20
 PROBE_SEGMENTS = 16  # while the store fails, a pass tries this many segments before reading them all
 # An empty segment younger than this stays for a later pass: a writer that creates its segment in
@@ -224,18 +225,28 @@ class Shipper:
         return path.relative_to(self.spool_dir).as_posix()
 
     def _quarantine(self, path: Path, reason: str) -> bool:
-        """Move a segment that cannot be shipped aside, with its reason. False if it could not be moved."""
+        """Move a segment that cannot be shipped aside, with its reason, and count it in ``drops``.
+        False if it could not be moved.
+
+        The count survives a collector killed at any moment: a ``.tocount`` marker is made before
+        the move and removed once the drop row is in the outbox; a pass that finds a marker beside a
+        quarantined segment counts it then (:meth:`_count_quarantined`). A kill between the drop
+        row's write and the marker's removal (one unlink) would count it twice; nothing loses it."""
         qdir = self.spool_dir / QUARANTINE
         rel = path.relative_to(self.spool_dir)
         target = qdir / "__".join(rel.parts)
+        marker = target.with_name(target.name + TO_COUNT)
         reason = reason.encode("utf-8", "backslashreplace").decode("utf-8")
         try:
             qdir.mkdir(parents=True, exist_ok=True)
+            marker.touch()
             os.replace(path, target)
         except FileNotFoundError:
+            _unlink_quietly(marker)
             self._forget(self._rel(path))
             return False
         except OSError as e:
+            _unlink_quietly(marker)
             log.error("ranklens collector: cannot quarantine %s (%s): %s", path, e, reason)
             return False
         try:
@@ -245,8 +256,26 @@ class Shipper:
         self._forget(self._rel(path))
         log.error("ranklens collector: quarantined %s: %s", path, reason)
         # counted at once, not at the end of the pass: a collector killed meanwhile still counts it
-        self._record_drops([self._drop_row("spool_segment_quarantined", 1)])
+        self._count_quarantined([marker])
         return True
+
+    def _count_quarantined(self, markers: list[Path] | None = None) -> None:
+        """Record the drop row of each quarantined segment whose ``.tocount`` marker is still there
+        (all of the spool's, when ``markers`` is None: a collector was killed between a move and its
+        count), then remove the marker. A marker without its segment (killed before the move) is
+        removed: the segment is still in the spool."""
+        if markers is None:
+            qdir = self.spool_dir / QUARANTINE
+            try:
+                markers = [qdir / n for n in os.listdir(qdir) if n.endswith(TO_COUNT)]
+            except OSError:
+                return
+        for marker in markers:
+            if not marker.with_name(marker.name[: -len(TO_COUNT)]).exists():
+                _unlink_quietly(marker)
+                continue
+            if self._record_drops([self._drop_row("spool_segment_quarantined", 1)]):
+                _unlink_quietly(marker)
 
     # --- the journal ----------------------------------------------------------------------
 
@@ -369,6 +398,7 @@ class Shipper:
     def _ship_once(self) -> ShipResult:
         result = ShipResult()
         self._reload_journal()
+        self._count_quarantined()
         self._retry_stuck(result)
         segments: list[Segment] = []
         pending = self.pending(skip=self._stuck)
@@ -567,10 +597,11 @@ class Shipper:
     def _drop_row(self, what: str, n: int) -> dict[str, Any]:
         return {"ts_ns": time.time_ns(), "host": self.host, "component": "collector", "what": what, "count": n}
 
-    def _record_drops(self, rows: list[dict[str, Any]]) -> None:
-        """Drop counts go through the spool like every other row (shipped once, even if the store is down)."""
+    def _record_drops(self, rows: list[dict[str, Any]]) -> bool:
+        """Drop counts go through the spool like every other row (shipped once, even if the store is
+        down). False: they could not be written (said in the log)."""
         if not rows:
-            return
+            return True
         if self._outbox is None:
             from ranklens.collector.outbox import Outbox
 
@@ -579,6 +610,8 @@ class Shipper:
             self._outbox.write("drops", rows)
         except OSError as e:
             log.error("ranklens collector: cannot record drop counts %s: %s", rows, e)
+            return False
+        return True
 
     # --- the disk budget -----------------------------------------------------------------------
 
@@ -674,3 +707,10 @@ class ShipLoop:
             self._pass(last=True, deadline_s=max(0.0, end - time.monotonic()))
 
         return self._worker.close(timeout_s, final=last).final_ran
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass

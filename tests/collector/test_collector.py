@@ -40,6 +40,29 @@ def test_corrupt_segment_is_quarantined_not_lost(tmp_path, embedded_store):
     assert embedded_store.query("SELECT sum(count) FROM drops WHERE what = 'spool_segment_quarantined'").scalar() == 1
 
 
+def test_a_quarantine_cut_short_by_a_kill_is_still_counted_once(tmp_path, embedded_store, monkeypatch):
+    # A soak run killed the collector (SIGKILL) between a segment's move into quarantine and its
+    # drop row: the segment was aside, its count lost. The count is now owed by a marker made
+    # before the move; the next pass pays it.
+    w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
+    bad = w.write("collectives", [ROW])
+    bad.write_text(bad.read_text()[:-8])
+    sh = Shipper(tmp_path / "spool", embedded_store)
+    monkeypatch.setattr(sh, "_count_quarantined", lambda markers=None: None)  # "killed" before counting
+    assert sh.ship_once().quarantined == 1
+    q = tmp_path / "spool" / "quarantine"
+    assert len(list(q.glob("*.tocount"))) == 1
+    lost = w.write("collectives", [ROW])  # and a marker whose move never happened: the segment stays
+    (q / (lost.name + ".tocount")).touch()
+    again = Shipper(tmp_path / "spool", embedded_store)  # the restarted collector
+    assert again.ship_once().ok and again.ship_once().ok
+    assert not list(q.glob("*.tocount"))
+    assert embedded_store.query("SELECT sum(count) FROM drops WHERE what = 'spool_segment_quarantined'").scalar() == 1
+    assert embedded_store.query("SELECT count() FROM collectives").scalar() == 1  # the good one shipped
+    assert again.ship_once().ok
+    assert embedded_store.query("SELECT sum(count) FROM drops WHERE what = 'spool_segment_quarantined'").scalar() == 1
+
+
 def test_store_failure_keeps_segments_for_retry(tmp_path, embedded_store):
     w = SpoolWriter.for_rank(tmp_path / "spool", "j", 0, 0)
     seg = w.write("collectives", [ROW])
