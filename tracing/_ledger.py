@@ -16,7 +16,14 @@ see the call on the hot path. Joining them without duplicates:
   gives it when timing is on);
 - a claim whose call ended before the next entry of its group was created made no entry of its own
   (a call inside ``_coalescing_manager``: the group's one coalesced entry comes at its exit): it is
-  dropped and counted, the ring's entry stands for it.
+  dropped and counted, the ring's entry stands for it;
+- rows reach the spool in the order their collectives finished: while a finished claim waits for
+  its seq, a row that finishes after it (its seq known: numbered by an earlier read, or a group
+  the ring does not cover) waits too, and the read that numbers the claim writes them all at once.
+  A live analysis takes a rank's ledger as complete up to its newest arrival
+  (``analyzers/compute.py``, ``settled``): a later collective stored before an earlier one that
+  waited for the ring made a healthy rank's waits look like compute for a few steps (a CI run of
+  the network drill named one a straggler).
 
 p2p stays with the wrappers (gloo's ring does not record p2p; NCCL's has no peer), keyed per pair.
 Groups on backends without a ring (MPI, UCC, custom) keep the wrappers' own seq counters.
@@ -119,6 +126,8 @@ class Ledger:
         self._claims: dict[str, collections.deque[_Claim]] = {}
         self._by_row: dict[int, _Claim] = {}
         self._lock = threading.Lock()
+        self._held = 0  # claims finished before the ring numbered them (under _lock)
+        self._deferred: list[dict[str, Any]] = []  # rows finished after a held claim (under _lock)
         self._covered: dict[str, bool] = {}
         self._known_pgs: set[str] = set()
         self._open: dict[tuple[int, int], dict[str, Any]] = {}  # ring-only rows in flight, by (ring, id)
@@ -210,10 +219,29 @@ class Ledger:
             c = self._by_row.get(id(row))
             if c is None:
                 return False
-            c.done = True
+            if not c.done:
+                c.done = True
+                self._held += 1
             if not c.t1:
                 c.t1 = row.get("end_ns") or self.t.clock()
             return True
+
+    def defer(self, row: dict[str, Any]) -> bool:
+        """A finished row (its seq known, the tracer's progress already marked) is about to be
+        buffered: True when a held claim finished before it, so the ledger buffers it after the
+        read that numbers the claim (see the module doc)."""
+        with self._lock:
+            if not self._held:
+                return False
+            self._deferred.append(row)
+            return True
+
+    def _release(self) -> None:
+        """Buffer the rows that waited behind held claims (after a read, in finishing order)."""
+        with self._lock:
+            rows, self._deferred = self._deferred, []
+        for row in rows:
+            self.t.add("collectives", row)
 
     # -- the reader (the tracer's background thread) ----------------------------------------
     def poll(self, now: int, force: bool = False) -> None:
@@ -238,8 +266,12 @@ class Ledger:
                 self._enqueued_at_read = n
             self.reads += 1
             before = self.recovered
-            if entries or self._open:
-                self._take(entries)
+            # the read's rows and the rows that waited for it go into the tracer's buffer at once:
+            # a flush between them would ship later collectives before earlier ones
+            with self.t._buf_lock:
+                if entries or self._open:
+                    self._take(entries)
+                self._release()
             # overwritten entries no wrapped call stood for are lost (the others were recovered)
             unrecovered = lost - (self.recovered - before)
             if unrecovered > 0:
@@ -249,6 +281,7 @@ class Ledger:
                 self._close_claims()
                 self._read_failures.close()
         except Exception as e:
+            self._release()  # a failing read keeps no finished row back
             self.t.count_drop("collectives:fr_read_error")
             self._read_failures.failed(e, traceback=True)
             if force:
@@ -271,7 +304,7 @@ class Ledger:
         if status is None:
             return late
         new = status[0] - self._enqueued_at_read
-        return (new > 0 or bool(self._open)) and (new >= self.capacity // 2 or late)
+        return (new > 0 or bool(self._open) or bool(self._deferred)) and (new >= self.capacity // 2 or late)
 
     def _take(self, entries: list[dict[str, Any]]) -> None:
         t = self.t
@@ -377,6 +410,8 @@ class Ledger:
     def _drop_claim(self, c: _Claim) -> None:
         with self._lock:
             self._by_row.pop(id(c.row), None)
+            if c.done:
+                self._held -= 1
         self.t.count_drop("collectives:wrapped_call_without_own_entry")
 
     def _settle(self, c: _Claim, seq: int) -> None:
@@ -386,15 +421,17 @@ class Ledger:
             self._by_row.pop(id(row), None)
             row["seq"] = seq
             done = c.done
+            if done:
+                self._held -= 1
             if seq > t._entered.get(row["pg"], -1):
                 t._entered[row["pg"]] = seq
             if not done:
                 t._inflight[(row["pg"], seq)] = row
         if done:
             if row.get("end_ns", 0) == -1:
-                t.collective_failed(row)
+                t.write_failed(row)
             else:
-                t.collective_completed(row, row.get("end_ns") or None)
+                t.write_completed(row)
 
     def _close_claims(self) -> None:
         """Final read: claims the ring never explained (it lost them) are counted, not guessed."""

@@ -576,12 +576,22 @@ class Tracer:
         row["end_ns"] = self.clock() if end_ns is None else end_ns
         if row["seq"] <= 0 and self.ledger is not None and self.ledger.hold(row):
             return  # its seq comes from the flight-recorder ring: the ledger writes it then
+        self.write_completed(row)
+
+    def write_completed(self, row: dict[str, Any]) -> None:
+        """Write a completed collective's row (its seq known) and mark its group's progress."""
         pg, seq = row["pg"], row["seq"]
         self._inflight.pop((pg, seq), None)
         if seq > self._completed.get(pg, -1):
             self._completed[pg] = seq
         self._last_progress = row["end_ns"]
-        self.add("collectives", row)
+        self._add_collective(row)
+
+    def _add_collective(self, row: dict[str, Any]) -> None:
+        """Buffer a finished collective's row, unless the ledger keeps it behind an earlier one that
+        waits for its seq (``Ledger.defer``: rows reach the store in finishing order)."""
+        if self.ledger is None or not self.ledger.defer(row):
+            self.add("collectives", row)
 
     def cuda_timer(self) -> Any:
         """The CUDA event timer (made at the first collective on a CUDA tensor)."""
@@ -607,8 +617,12 @@ class Tracer:
         row["end_ns"] = -1
         if row["seq"] <= 0 and self.ledger is not None and self.ledger.hold(row):
             return  # its seq comes from the flight-recorder ring: the ledger writes it then
+        self.write_failed(row)
+
+    def write_failed(self, row: dict[str, Any]) -> None:
+        """Write a failed collective's row (its seq known); dump the flight recorder once per burst."""
         self._inflight.pop((row["pg"], row["seq"]), None)
-        self.add("collectives", row)
+        self._add_collective(row)
         if self.clock() - self._fr_last_ns > 5_000_000_000:  # once per failure burst
             self.dump_flight_recorder(f"{row['op']} #{row['seq']} of pg {row['pg']} failed")
             self._raise_fr_signal()

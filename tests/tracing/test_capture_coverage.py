@@ -235,6 +235,57 @@ def test_numbered_before_completion_then_written_once(tmp_path):
     assert [r["seq"] for r in _rows(t)] == [1] and ("0", 1) not in t._inflight
 
 
+def test_a_row_finishing_after_a_held_claim_waits_for_it(tmp_path):
+    # A live pass takes a rank's stored ledger as complete up to its newest arrival: a later
+    # collective written before an earlier one that waits for the ring made a healthy rank's waits
+    # look like compute (a CI run of the network drill named a healthy rank a straggler).
+    t, ring, clock = _ledger(tmp_path)
+    t.ledger.max_delay_ns = 60 * 10**9  # no periodic read in this test
+    t._pg_names[1] = ("1", None)
+    t.ledger._known_pgs.add("1")
+    slow = t.ledger.entered("1", "all_reduce", 16, "float32", True)  # in flight across a read
+    ring.add("1", 1, clock())
+    slow.t1 = clock()
+    t.ledger.poll(clock(), force=True)  # numbered: written when it completes
+    early = t.ledger.entered("0", "all_reduce", 16, "float32", False)
+    ring.add("0", 1, clock())
+    early.t1 = clock()
+    t.collective_completed(early.row)  # finished, not numbered yet: held
+    t.collective_completed(slow.row)  # finished after it, numbered: waits behind it
+    assert _rows(t) == []
+    assert ("1", 1) not in t._inflight and t._completed == {"1": 1}  # heartbeats see its progress now
+    t.ledger.poll(clock(), force=True)
+    assert [(r["pg"], r["seq"]) for r in _rows(t)] == [("0", 1), ("1", 1)]
+    assert not t._inflight and t._completed == {"0": 1, "1": 1}
+    # nothing held: a numbered row is written at once
+    c = t.ledger.entered("1", "all_reduce", 16, "float32", True)
+    ring.add("1", 2, clock())
+    c.t1 = clock()
+    t.ledger.poll(clock(), force=True)
+    t.collective_completed(c.row)
+    assert [(r["pg"], r["seq"]) for r in _rows(t)][-1] == ("1", 2)
+
+
+def test_a_failing_ring_read_keeps_no_finished_row_back(tmp_path):
+    t, ring, clock = _ledger(tmp_path)
+    t._pg_names[1] = ("1", None)
+    t.ledger._known_pgs.add("1")
+    held = t.ledger.entered("0", "all_reduce", 16, "float32", False)
+    held.t1 = clock()
+    t.collective_completed(held.row)  # held: its entry never comes
+    other = {**t._ident, "pg": "9", "seq": 5, "op": "all_reduce", "nbytes": 4, "dtype": "float32", "peer": -1}
+    other.update(step=0, enter_ns=clock(), async_op=0)
+    t.collective_completed(other)  # a group the ring does not cover, finishing behind the held claim
+    assert _rows(t) == []
+
+    def broken():
+        raise OSError("ring unreadable")
+
+    ring.read = broken
+    t.ledger.poll(clock(), force=True)
+    assert [(r["pg"], r["seq"]) for r in _rows(t)] == [("9", 5)]
+
+
 def test_ring_only_entries_get_the_step_of_their_creation_time(tmp_path):
     t, ring, clock = _ledger(tmp_path)
     t._step = 4
