@@ -189,7 +189,13 @@ def compute_matrix(
     ring was read last looked like a straggler for a few steps (a fresh-clone CI run named healthy
     rank 0 of the throttled-link drill, +240 ms/step for three steps, while its stored compute was
     flat). A rank with no collective in the window is kept as it is when no rank has one (a job
-    with no collectives), and left out otherwise (its ledger has not arrived)."""
+    with no collectives), and left out otherwise (its ledger has not arrived).
+
+    Where the ledger holds collectives without a completion time (DDP's gradient buckets on gloo,
+    seen by torch's ring alone), a rank's wait in one ends at the group's last stored arrival: a
+    step is settled only once *every* rank's ledger has passed it (a peer's missing arrival made the
+    wait short; a CI run of the network drill named healthy rank 0 a straggler in backward, +300 ms
+    for three steps, while its peers' bucket rows were still on their way)."""
     where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
     lo, hi, n, n_unfinished = (
         int(x or 0)
@@ -215,7 +221,8 @@ def compute_matrix(
     start = r.column("start_ns").astype(np.int64)
     unsettled = 0
     if settled:
-        keep = _settled(store, job_id, attempt, min_step, rank, start + r.column("dur_ns").astype(np.int64))
+        ends = start + r.column("dur_ns").astype(np.int64)
+        keep = _settled(store, job_id, attempt, min_step, rank, ends, everyone=n_unfinished > 0)
         if keep is not None:
             unsettled = int(len(keep) - keep.sum())
             rank, step, dur, wait, start = rank[keep], step[keep], dur[keep], wait[keep], start[keep]
@@ -262,10 +269,11 @@ def _empty_matrix(job_id: str, attempt: int, sql: str, unsettled: int = 0) -> Co
 
 
 def _settled(
-    store: Store, job_id: str, attempt: int, min_step: int, rank: np.ndarray, end_ns: np.ndarray
+    store: Store, job_id: str, attempt: int, min_step: int, rank: np.ndarray, end_ns: np.ndarray, *, everyone: bool
 ) -> np.ndarray | None:
-    """Which (rank, step) rows have the rank's ledger past their end (see :func:`compute_matrix`);
-    None: the window has no collective at all (nothing to wait for)."""
+    """Which (rank, step) rows have the rank's ledger past their end (``everyone``: every rank's
+    ledger, the earliest of the window's ranks; see :func:`compute_matrix`); None: the window has
+    no collective at all (nothing to wait for)."""
     r = store.query(
         f"SELECT rank, max(enter_ns) AS mark FROM collectives WHERE job_id = '{_esc(job_id)}' "
         f"AND attempt = {int(attempt)} AND step >= {int(min_step)} GROUP BY rank"
@@ -274,6 +282,8 @@ def _settled(
         return None
     marks = dict(zip(r.column("rank").astype(np.int64).tolist(), r.column("mark").astype(np.int64).tolist()))
     mark = np.array([marks.get(int(x), np.iinfo(np.int64).min) for x in rank], dtype=np.int64)
+    if everyone:
+        return end_ns <= mark.min()
     return end_ns <= mark
 
 

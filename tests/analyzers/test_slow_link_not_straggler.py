@@ -97,9 +97,46 @@ def test_a_rank_whose_ledger_lags_its_steps_is_no_straggler_live(embedded_store,
     stragglers = find_stragglers(embedded_store, JOB, window_steps=500)
     assert stragglers == [], [f.title for f in stragglers]
     cm = compute_matrix(embedded_store, JOB, window_steps=500, settled=True)
-    r0 = int(np.searchsorted(cm.ranks, 0))
-    done = cm.steps[np.isfinite(cm.compute_s[r0])]
-    # rank 0's steps count up to the last one its ledger has passed (each step's loss all-reduce
-    # comes after the step's end), the others' all of them
-    assert done.max() == upto_step - 4 and cm.unsettled == 4, (done.max(), cm.unsettled)
-    assert np.isfinite(cm.compute_s[:, cm.steps == upto_step]).sum() == 2
+    # steps count up to the last one rank 0's ledger has passed (each step's loss all-reduce comes
+    # after the step's end): this ledger has collectives without a completion time, whose waits end
+    # at the group's last stored arrival, so every rank's steps wait for the slowest ledger
+    for k in range(len(cm.ranks)):
+        done = cm.steps[np.isfinite(cm.compute_s[k])]
+        assert upto_step - 6 <= done.max() <= upto_step - 4, (int(cm.ranks[k]), done.max())
+        if cm.ranks[k] == 0:
+            assert done.max() == upto_step - 4
+    assert cm.unsettled >= 4 * len(cm.ranks), cm.unsettled
+
+
+@pytest.mark.parametrize("upto_step", [13, 20, 25])
+def test_peers_whose_ledgers_lag_make_no_straggler_of_the_rank_whose_ledger_is_in(tmp_path, upto_step):
+    """Ranks 1 and 2's ledgers lag: rank 0's waits in collectives without a completion time (here
+    the world group's, as DDP's buckets seen by torch's ring alone on gloo) end at the group's last
+    *stored* arrival, too early while its peers' arrivals are missing, so its waits looked like
+    compute (a CI run named healthy rank 0 a straggler in backward, +300 ms/step for three steps). A
+    live pass leaves those steps out for every rank."""
+    from ranklens.store import open_store
+
+    rows = {t: [json.loads(x) for x in (DATA / f"{t}.jsonl").read_text().splitlines()] for t in TABLES}
+    rows["collectives"] = [{**r, "end_ns": 0} if r["pg"] == "0" else r for r in rows["collectives"]]
+
+    def load(store, lag: int) -> None:
+        for table in TABLES:
+            got = rows[table]
+            if table in ("steps", "phases", "collectives"):
+                got = [r for r in got if r["step"] <= upto_step]
+            if table == "collectives":  # rank 0's ledger in, its peers' through upto_step - lag
+                got = [r for r in got if r["rank"] == 0 or r["step"] <= upto_step - lag]
+            store.write(table, got)
+
+    whole = open_store(f"embedded://{tmp_path / 'whole'}")
+    load(whole, 0)
+    assert find_stragglers(whole, JOB, window_steps=500) == []  # every ledger in: nobody
+    whole.close()
+    lagging = open_store(f"embedded://{tmp_path / 'lagging'}")
+    load(lagging, 3)
+    stragglers = find_stragglers(lagging, JOB, window_steps=500)
+    assert stragglers == [], [f.title for f in stragglers]
+    cm = compute_matrix(lagging, JOB, window_steps=500, settled=True)
+    assert cm.steps[np.isfinite(cm.compute_s).any(axis=0)].max() <= upto_step - 3
+    lagging.close()
