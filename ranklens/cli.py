@@ -28,9 +28,16 @@ _errors = errors
 
 
 def _open(store_url: str | None, *, create: bool = True) -> Any:
+    """The command's store, closed when the command ends (its connections too, on an error: an
+    in-process caller, e.g. click's test runner or a notebook, does not keep a socket open until
+    the garbage collector finds the traceback that holds it)."""
     from ranklens.store import open_store
 
-    return open_store(store_url, create=create)
+    store = open_store(store_url, create=create)
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.call_on_close(store.close)
+    return store
 
 
 def _json_default(o: Any) -> Any:

@@ -228,9 +228,9 @@ def preflight_command(
         min_Bps = float(parse_bytes(min_bandwidth, "--min-bandwidth"))
     store = None
     if store_url or os.environ.get(ENV_STORE):
-        from ranklens.store import open_store
+        from ranklens.cli import _open
 
-        store = open_store(store_url)  # first: a store that is down fails before a minute of checks
+        store = _open(store_url)  # first: a store that is down fails before a minute of checks
     plan = PreflightPlan(
         checks=checks,
         nodes=nodes,

@@ -110,10 +110,10 @@ def probe_command(
     plan = [_pair(p, "suspect") for p in pairs] + [_pair(p, "reference") for p in references]
     if finding_ref:
         from ranklens.analyzers.findings import load_finding
-        from ranklens.store import open_store
+        from ranklens.cli import _open
         from ranklens.store.api import sql_string
 
-        store = open_store(store_url, create=False)
+        store = _open(store_url, create=False)
         try:
             finding = load_finding(store, finding_ref)
         except ValueError as e:

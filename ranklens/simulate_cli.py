@@ -124,9 +124,9 @@ def simulate_command(
     )
     store = None
     if want_store:
-        from ranklens.store import open_store
+        from ranklens.cli import _open
 
-        store = open_store(store_url)
+        store = _open(store_url)
     say = functools.partial(click.echo, err=True) if as_json else click.echo
     say(
         f"ranklens simulate: {ranks:,} ranks (dp {layout.dp} x pp {pp} x tp {tp}, {layout.nodes:,} nodes)"

@@ -82,3 +82,33 @@ def test_the_driver_is_imported_with_its_lazy_date_table_and_the_environment_is_
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "LazyLUT"
+
+
+def _open_sockets() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.server
+def test_a_cli_command_run_in_process_closes_its_server_connections(server_db_url):
+    # A CI run failed on a ResourceWarning for a socket to the server left open by an earlier test
+    # that ran a command in-process (click's runner): the command's store was never closed, and
+    # the error's traceback (kept in the runner's result) held it until the garbage collector
+    # found it during a later test. A command closes its store when it ends, also on an error.
+    from click.testing import CliRunner
+
+    from ranklens.cli import cli
+    from ranklens.store import open_store
+
+    open_store(server_db_url).close()
+    before = _open_sockets()
+    results = []
+    for args in (["analyze", "--job", "no-such-job"], ["sql", "SELECT 1"], ["sql", "SELECT nope"]):
+        results.append(CliRunner().invoke(cli, [args[0], "--store", server_db_url, *args[1:]]))
+        assert _open_sockets() == before, (args, results[-1].output)
+    assert [r.exit_code for r in results] == [8, 0, 3], [r.output for r in results]
