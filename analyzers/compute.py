@@ -156,6 +156,7 @@ class ComputeMatrix:
     sql: str
     unsettled: int = 0  # (rank, step) rows a settled matrix left out: their ledger is not in yet
     unfinished: bool = True  # the ledger may hold collectives without a completion time (see compute_sql)
+    settled_on: str = ""  # a settled matrix: "own ledger" or "every ledger" (see compute_matrix); "" not settled
 
     @property
     def empty(self) -> bool:
@@ -220,7 +221,9 @@ def compute_matrix(
     wait = np.minimum(r.column("wait_ns").astype(np.float64) / 1e9, dur)
     start = r.column("start_ns").astype(np.int64)
     unsettled = 0
+    settled_on = ""
     if settled:
+        settled_on = "every ledger" if n_unfinished > 0 else "own ledger"
         ends = start + r.column("dur_ns").astype(np.int64)
         keep = _settled(store, job_id, attempt, min_step, rank, ends, everyone=n_unfinished > 0)
         if keep is not None:
@@ -238,7 +241,7 @@ def compute_matrix(
     np.minimum.at(step_start, si, start)
     labels, hosts = _peer_groups(store, job_id, attempt, ranks)
     return ComputeMatrix(
-        job_id, attempt, ranks, steps, compute, step_s, step_start, labels, hosts, sql, unsettled, look_up
+        job_id, attempt, ranks, steps, compute, step_s, step_start, labels, hosts, sql, unsettled, look_up, settled_on
     )
 
 

@@ -381,7 +381,12 @@ def find_stragglers(
         )
         for d in detections
     ]
-    return merge_node_findings(discount_cpu_contention(store, findings, contention), cm.hosts)
+    out = merge_node_findings(discount_cpu_contention(store, findings, contention), cm.hosts)
+    if cm.settled_on:  # a live pass: what it waited for (a false finding's diagnosis starts here)
+        live = {"settled_on": cm.settled_on, "unsettled_rows": cm.unsettled, "last_step": int(cm.steps[-1])}
+        for f in out:
+            f.evidence["live"] = live
+    return out
 
 
 def discount_cpu_contention(

@@ -81,3 +81,15 @@ def test_suite_precision_recall(embedded_store, capsys):
     with capsys.disabled():
         print(f"\nstraggler suite: precision {precision:.3f}, recall {recall:.3f} (tp {tp}, fp {fp}, fn {fn})")
     assert precision >= 0.95 and recall >= 0.95
+
+
+def test_a_live_pass_says_in_its_evidence_what_it_waited_for(embedded_store):
+    # a false live finding is diagnosed from what the pass settled on (the network drill's flake)
+    faults, pp, tp = SCENARIOS["slow_node"]
+    sim = simulate(embedded_store, ranks=64, steps=40, pp=pp, tp=tp, faults=faults, seed=7, job_id="live", step_ms=200)
+    (f,) = find_stragglers(embedded_store, sim.job_id, window_steps=500)
+    live = f.evidence["live"]
+    assert live["settled_on"] in ("own ledger", "every ledger") and live["last_step"] <= 39, live
+    assert live["unsettled_rows"] >= 0
+    (whole,) = find_stragglers(embedded_store, sim.job_id)
+    assert "live" not in whole.evidence
