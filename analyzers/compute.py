@@ -196,7 +196,12 @@ def compute_matrix(
     seen by torch's ring alone), a rank's wait in one ends at the group's last stored arrival: a
     step is settled only once *every* rank's ledger has passed it (a peer's missing arrival made the
     wait short; a CI run of the network drill named healthy rank 0 a straggler in backward, +300 ms
-    for three steps, while its peers' bucket rows were still on their way)."""
+    for three steps, while its peers' bucket rows were still on their way).
+
+    The ledgers' marks are read *before* the metric: the store gives no snapshot across queries, so
+    marks read after it could pass rows that arrived between the two reads (the drill named healthy
+    rank 1, +233 ms/step for three steps, with every step settled and every row in the store a
+    moment later). Rows are only added, so what the marks passed, the metric's read holds."""
     where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
     lo, hi, n, n_unfinished = (
         int(x or 0)
@@ -206,6 +211,9 @@ def compute_matrix(
         ).rows()[0]
     )
     min_step = max(0, hi - int(window_steps) + 1) if window_steps else 0
+    marks = _ledger_marks(store, job_id, attempt, min_step) if settled else None
+    if marks is not None:
+        n_unfinished = max(n_unfinished, marks[1])
     sql = compute_sql(job_id, attempt, min_step)
     look_up = n_unfinished > 0 or settled
     r = QueryResult.concat(
@@ -225,7 +233,7 @@ def compute_matrix(
     if settled:
         settled_on = "every ledger" if n_unfinished > 0 else "own ledger"
         ends = start + r.column("dur_ns").astype(np.int64)
-        keep = _settled(store, job_id, attempt, min_step, rank, ends, everyone=n_unfinished > 0)
+        keep = _settled(marks[0] if marks else {}, rank, ends, everyone=n_unfinished > 0)
         if keep is not None:
             unsettled = int(len(keep) - keep.sum())
             rank, step, dur, wait, start = rank[keep], step[keep], dur[keep], wait[keep], start[keep]
@@ -271,19 +279,26 @@ def _empty_matrix(job_id: str, attempt: int, sql: str, unsettled: int = 0) -> Co
     return ComputeMatrix(job_id, attempt, e, e, z, z, e, e, {}, sql, unsettled)
 
 
-def _settled(
-    store: Store, job_id: str, attempt: int, min_step: int, rank: np.ndarray, end_ns: np.ndarray, *, everyone: bool
-) -> np.ndarray | None:
+def _ledger_marks(store: Store, job_id: str, attempt: int, min_step: int) -> tuple[dict[int, int], int]:
+    """Per rank, the latest arrival its stored ledger holds from ``min_step`` on, and how many of
+    the job's collectives have no completion time (both read in one query, before the metric)."""
+    where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+    r = store.query(
+        f"SELECT rank, max(enter_ns) AS mark, (SELECT count() FROM collectives WHERE {where} AND end_ns = 0) AS unf "
+        f"FROM collectives WHERE {where} AND step >= {int(min_step)} GROUP BY rank"
+    )
+    if r.num_rows == 0:
+        return {}, 0
+    marks = dict(zip(r.column("rank").astype(np.int64).tolist(), r.column("mark").astype(np.int64).tolist()))
+    return marks, int(r.column("unf").astype(np.int64)[0])
+
+
+def _settled(marks: dict[int, int], rank: np.ndarray, end_ns: np.ndarray, *, everyone: bool) -> np.ndarray | None:
     """Which (rank, step) rows have the rank's ledger past their end (``everyone``: every rank's
     ledger, the earliest of the window's ranks; see :func:`compute_matrix`); None: the window has
     no collective at all (nothing to wait for)."""
-    r = store.query(
-        f"SELECT rank, max(enter_ns) AS mark FROM collectives WHERE job_id = '{_esc(job_id)}' "
-        f"AND attempt = {int(attempt)} AND step >= {int(min_step)} GROUP BY rank"
-    )
-    if r.num_rows == 0:
+    if not marks:
         return None
-    marks = dict(zip(r.column("rank").astype(np.int64).tolist(), r.column("mark").astype(np.int64).tolist()))
     mark = np.array([marks.get(int(x), np.iinfo(np.int64).min) for x in rank], dtype=np.int64)
     if everyone:
         return end_ns <= mark.min()
