@@ -203,17 +203,18 @@ def compute_matrix(
     rank 1, +233 ms/step for three steps, with every step settled and every row in the store a
     moment later). Rows are only added, so what the marks passed, the metric's read holds."""
     where = f"job_id = '{_esc(job_id)}' AND attempt = {int(attempt)}"
+    # a live pass counts the collectives without a completion time with its marks, read later
+    unfinished_sql = "0" if settled else f"(SELECT count() FROM collectives WHERE {where} AND end_ns = 0)"
     lo, hi, n, n_unfinished = (
         int(x or 0)
         for x in store.query(
-            f"SELECT min(step), max(step), count(), (SELECT count() FROM collectives WHERE {where} AND end_ns = 0) "
-            f"FROM steps WHERE {where} AND step >= 0"
+            f"SELECT min(step), max(step), count(), {unfinished_sql} FROM steps WHERE {where} AND step >= 0"
         ).rows()[0]
     )
     min_step = max(0, hi - int(window_steps) + 1) if window_steps else 0
     marks = _ledger_marks(store, job_id, attempt, min_step) if settled else None
     if marks is not None:
-        n_unfinished = max(n_unfinished, marks[1])
+        n_unfinished = marks[1]
     sql = compute_sql(job_id, attempt, min_step)
     look_up = n_unfinished > 0 or settled
     r = QueryResult.concat(
