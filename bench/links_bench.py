@@ -1,7 +1,7 @@
 """Slow-link analysis benchmark: time on a simulated 10,240-rank job, and precision/recall of the
 faulty-link ranking over random simulated 3D-parallel jobs with link faults.
 
-    python bench/links_bench.py [--ranks-job 10240] [--jobs 16] [--seed 0] [--server URL]
+    python bench/links_bench.py [--ranks-job 10240] [--jobs 16] [--seed 0] [--server URL] [--max-noise-p P]
 
 The 10,240-rank job: TP 8 (one node of 8 ranks), PP 8, DP 160 = 1,280 nodes, 20 steps, one node's
 link 3x slow; rows are generated with numpy/pyarrow (tests/links_helpers.py). The accuracy jobs
@@ -106,13 +106,13 @@ def _random_job(rng: random.Random, k: int) -> tuple[SimSpec, str | None]:
     return spec, truth
 
 
-def bench_accuracy(store, jobs: int, seed: int) -> None:
+def bench_accuracy(store, jobs: int, seed: int, detector: GroupTestingDetector | None = None) -> None:
     rng = random.Random(seed)
     tp = fp = fn = first = faulty = healthy_clean = healthy = 0
     for k in range(jobs):
         spec, truth = _random_job(rng, k)
         store.write_many(simulate(spec))
-        links = [f for f in find_slow_links(store, spec.job_id) if f.kind == "slow_link"]
+        links = [f for f in find_slow_links(store, spec.job_id, detector=detector) if f.kind == "slow_link"]
         names = [f.evidence["link"] for f in links]
         if truth is None:
             healthy += 1
@@ -144,6 +144,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server", default=os.environ.get("RANKLENS_BENCH_CLICKHOUSE", ""))
     p.add_argument("--skip-scale", action="store_true")
+    p.add_argument(
+        "--max-noise-p", type=float, default=None, help="the detector's noise rule for the accuracy jobs (1: off)"
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="ranklens-links-bench-") as tmp:
         store = open_store(f"embedded://{tmp}/store")
@@ -159,7 +162,8 @@ def main() -> int:
                 server.drop_database()
                 server.close()
         acc = open_store(f"embedded://{tmp}/acc")
-        bench_accuracy(acc, args.jobs, args.seed)
+        det = GroupTestingDetector(max_noise_p=args.max_noise_p) if args.max_noise_p is not None else None
+        bench_accuracy(acc, args.jobs, args.seed, det)
     return 0
 
 

@@ -10,7 +10,8 @@ spool into an embedded store, then prints per scenario the slow-link and congest
 every cell the detector judged slow (group, op, window, slowdown, median transfer): on a healthy
 scenario each slow cell is noise, and a link whose groups' slow cells line up over two windows is
 one step from a false finding; and what the detector would also name without its transient rule
-(``transient_k=0``). Needs root and iproute2 (as the test). Not run in the test suite.
+(``transient_k=0``) or without its noise rule (``max_noise_p=1``). Needs root and iproute2 (as the
+test). Not run in the test suite.
 """
 
 from __future__ import annotations
@@ -85,9 +86,13 @@ def report(store: object, job_id: str) -> None:
     # what the detector would say without its transient rule (a window as slow beside the link)
     bare = find_slow_links(store, job_id, detector=GroupTestingDetector(transient_k=0.0))  # type: ignore[arg-type]
     extra = sorted(_named(bare) - _named(findings))
+    # ... and without its noise rule (slow tests no likelier than beside the link)
+    loose = find_slow_links(store, job_id, detector=GroupTestingDetector(max_noise_p=1.0))  # type: ignore[arg-type]
+    extra_noise = sorted(_named(loose) - _named(findings))
     print(
         f"{job_id}: {len(m)} cells, {int((r.verdict == SLOW).sum())} slow; findings: {names or 'none'}"
         + (f"; without the transient rule also: {extra}" if extra else "")
+        + (f"; without the noise rule also: {extra_noise}" if extra_noise else "")
     )
     for key, cells in sorted(slow.items()):
         print(f"    {key}: {'; '.join(cells)}")
