@@ -36,14 +36,16 @@ PACKAGE_DIRS: dict[str, str] = {
 
 
 def iter_modules(root: Path) -> Iterator[tuple[Path, str]]:
-    """Every ``.py`` file of every package folder with the module name it is installed under.
+    """Every ``.py`` file of every package folder with the module name it is installed under, and
+    every ``.pyi`` stub of a compiled module (``collector/_lines.pyi``: its C source's types).
 
     A folder without ``__init__.py`` (``ranklens/_bootstrap``: a sitecustomize copied into a
     site directory, never imported as ``ranklens._bootstrap``) is checked as a top-level module.
     """
     for folder, package in PACKAGE_DIRS.items():
         base = root / folder
-        for path in sorted(base.rglob("*.py")):
+        stubs = [p for p in base.rglob("*.pyi") if not p.with_suffix(".py").exists()]
+        for path in sorted([*base.rglob("*.py"), *stubs]):
             rel = path.relative_to(base)
             if any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
                 continue

@@ -245,3 +245,51 @@ def test_a_read_ahead_closed_early_stops_its_reader(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
     assert list(classify_file(p, chunk_bytes=4096)) == []
     assert not [t for t in threading.enumerate() if t.name == "ranklens-log-read"]
+
+
+# --- the compiled newline count (collector/_lines.c) -------------------------------------------
+
+
+def test_the_compiled_newline_count_is_built_by_the_install():
+    # optional for users (no compiler: bytes.count), required here: a CI machine that silently lost
+    # it would measure issue 18's logs row without it
+    from ranklens.collector import _lines
+
+    assert logfilter._count_newlines is _lines.count
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_compiled_newline_count_matches_bytes_count_with_its_slice_rules(seed):
+    from ranklens.collector._lines import count
+
+    rng = random.Random(seed)
+    # sizes around the vector width, the 255-block sums and the no-GIL threshold
+    for size in (0, 1, 15, 16, 17, 255 * 16 - 1, 255 * 16 + 33, 64 * 1024 - 1, 64 * 1024, 300_001):
+        data = bytes(rng.choice(b"\n\nab\xff\x0a\x0b") for _ in range(size))
+        for buf in (data, bytearray(data), memoryview(data)):
+            assert count(buf) == data.count(b"\n")
+            for _ in range(6):
+                a, b = rng.randint(-size - 3, size + 3), rng.randint(-size - 3, size + 3)
+                assert count(buf, a) == data.count(b"\n", a), (size, a)
+                assert count(buf, a, b) == data.count(b"\n", a, b), (size, a, b)
+    with pytest.raises(TypeError):
+        count("text\n")  # type: ignore[arg-type]
+
+
+def test_events_and_line_numbers_are_the_same_with_either_count(monkeypatch, tmp_path):
+    # ~0.5 MB (ranges past the no-GIL threshold as well), then one new event deep into the file
+    data = MIXED * 40 + (LINES[0] + " zzqx-only-once\n").encode()
+    compiled = _events(LogFilter(cache_dir=None), data)
+    p = tmp_path / "x.log"
+    p.write_bytes(data)
+    stats_c = FilterStats()
+    file_c = list(classify_file(p, chunk_bytes=1 << 16, stats=stats_c))
+    monkeypatch.setattr(logfilter, "_count_newlines", None)
+    assert _events(LogFilter(cache_dir=None), data) == compiled
+    stats_py = FilterStats()
+    file_py = list(classify_file(p, chunk_bytes=1 << 16, stats=stats_py))
+    # (a line without a time of its own is stamped with the run's start: not compared)
+    assert [{**e.to_json(), "ts_ns": 0} for e in file_py] == [{**e.to_json(), "ts_ns": 0} for e in file_c]
+    assert stats_py.lines_read == stats_c.lines_read == data.count(b"\n")
+    last = max(compiled, key=lambda e: e[2])
+    assert "zzqx-only-once" in last[5] and last[2] == data.count(b"\n")  # its line number, counted

@@ -1,0 +1,3 @@
+"""Types of the optional compiled newline counter (collector/_lines.c)."""
+
+def count(buffer: bytes | bytearray | memoryview, start: int = ..., end: int = ..., /) -> int: ...
