@@ -7,7 +7,8 @@
  * range is counted with the GIL released, so the search lanes and the read-ahead thread go on.
  *
  * The extension is optional: where it is not built (no compiler at install time, another
- * processor), ranklens counts with bytes.count, with the same results.
+ * processor), ranklens counts with bytes.count, with the same results. An editable install builds
+ * it in place (collector/_lines.*.so, not in git): after editing this file, `pip install -e .` again.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
