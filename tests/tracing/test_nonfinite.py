@@ -56,3 +56,31 @@ def test_something_that_is_not_a_tensor_turns_the_check_off_quietly():
     assert c.off and c.rows() == []
     c.bucket(torch.full((5,), float("nan")), 0)  # off: not checked any more
     assert c.rows() == []
+
+
+def test_the_sample_sees_a_bad_region_anywhere_and_stays_inside_the_bucket():
+    from ranklens.tracing._nonfinite import BLOCKS, SAMPLE
+
+    t = _Tracer()
+    c = NonFiniteCheck(t)
+    n = 1_000_003  # not a multiple of anything: the last run must end inside the bucket
+    w = SAMPLE // BLOCKS
+    region = (n - w) // (BLOCKS - 1) + w  # a bad region this long always holds a sampled run
+    for start in (0, 12_345, n // 2 + 7, n - region):
+        t._step = start
+        g = torch.ones(n)
+        g[start : start + region] = float("nan")
+        c.bucket(g, 0)
+    assert len(c.rows()) == MAX_REPORTS and t.drops["nonfinite:steps_not_reported"] == 1
+    # a view into a larger buffer (DDP's bucket buffers are slices of one flat tensor): the sample is
+    # taken from the view, not from its storage's start
+    t2 = _Tracer()
+    c2 = NonFiniteCheck(t2)
+    storage = torch.full((3 * n,), float("nan"))
+    storage[n : 2 * n] = 1.0
+    c2.bucket(storage[n : 2 * n], 0)
+    inf_tail = torch.ones(n)
+    inf_tail[-(w + BLOCKS) :] = float("inf")  # the last run ends fewer than BLOCKS elements before the end
+    c2.bucket(inf_tail, 1)
+    rows = c2.rows()
+    assert len(rows) == 1 and "bucket 1" in rows[0]["message"]
