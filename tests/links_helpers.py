@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from ranklens.analyzers.links import GroupInfo, LinkMetrics
 from ranklens.records import arrow_schema, arrow_table
 
 T0 = 1_790_000_000_000_000_000  # an epoch in 2026, ns
@@ -233,3 +234,49 @@ def simulate(s: SimSpec) -> dict[str, pa.Table]:
 
 def node_name(k: int) -> str:
     return f"node{k}"
+
+
+def cell_metrics(
+    groups: dict[str, GroupInfo],
+    hosts: dict[int, str],
+    slowdowns: dict[tuple[str, int], float],
+    windows: int,
+    *,
+    seed: int = 0,
+    nbytes: int = 1 << 20,
+    job_id: str = "bed",
+) -> LinkMetrics:
+    """Link cells as the detector sees them, without a store: one cell per group and window (one-step
+    windows, one collective each), every one at ~1 GB/s (2 % noise) moving ``nbytes``, and
+    ``slowdowns[(pg, window)]`` times slower; a group named ``...p2p...`` is a send/recv pair, any
+    other an all-reduce of two."""
+    rng = np.random.default_rng(seed)
+    rows = [(pg, w) for w in range(windows) for pg in groups]
+    n = len(rows)
+    bw = 1e9 * rng.lognormal(0.0, 0.02, n) / np.array([slowdowns.get(r, 1.0) for r in rows])
+    ints = np.zeros(n, dtype=np.int64)
+    window = np.array([w for _pg, w in rows], dtype=np.int64)
+    return LinkMetrics(
+        job_id=job_id,
+        attempt=0,
+        pg=np.array([pg for pg, _w in rows], dtype=object),
+        family=np.array(["p2p" if "p2p" in pg else "all_reduce" for pg, _w in rows], dtype=object),
+        size_bucket=ints + 10,
+        window=window,
+        count=ints + 1,
+        members=ints + 2,
+        bw_Bps=bw,
+        xfer_s=nbytes / bw,
+        sum_xfer_s=nbytes / bw,
+        sum_bus_bytes=ints + float(nbytes),
+        spread_s=ints + 1e-4,
+        first_ns=window * 50_000_000,
+        last_ns=window * 50_000_000 + 40_000_000,
+        min_step=window,
+        max_step=window,
+        groups=groups,
+        hosts=dict(hosts),
+        window_steps=1,
+        window_ns=0,
+        sql="",
+    )

@@ -11,11 +11,11 @@ every other rule passed). Modelled here: node1's groups slow in two windows befo
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from ranklens.analyzers.links import GroupInfo, LinkMetrics
 from ranklens.analyzers.tomography import GroupTestingDetector, binomial_tail
+from tests.links_helpers import cell_metrics
 
 NODE = {r: f"node{r}" for r in range(3)}
 PAIRS = {"p01": (0, 1), "p02": (0, 2), "p12": (1, 2)}
@@ -24,43 +24,13 @@ PAIRS = {"p01": (0, 1), "p02": (0, 2), "p12": (1, 2)}
 def _metrics(
     slowdowns: dict[tuple[str, int], float],
     windows: int,
-    seed: int = 0,
     groups: dict[str, GroupInfo] | None = None,
     hosts: dict[int, str] | None = None,
 ) -> LinkMetrics:
     """Every group's cell in every window at ~1 GB/s (2 % noise), ``slowdowns[(pg, window)]`` times
     slower; the groups are the bed's pair groups unless given."""
     groups = groups or {pg: GroupInfo(pg, ab, (NODE[ab[0]], NODE[ab[1]])) for pg, ab in PAIRS.items()}
-    rng = np.random.default_rng(seed)
-    rows = [(pg, w) for w in range(windows) for pg in groups]
-    n = len(rows)
-    bw = 1e9 * rng.lognormal(0.0, 0.02, n) / np.array([slowdowns.get(r, 1.0) for r in rows])
-    ints = np.zeros(n, dtype=np.int64)
-    window = np.array([w for _pg, w in rows], dtype=np.int64)
-    return LinkMetrics(
-        job_id="bed3",
-        attempt=0,
-        pg=np.array([pg for pg, _w in rows], dtype=object),
-        family=np.array(["all_reduce"] * n, dtype=object),
-        size_bucket=ints + 10,
-        window=window,
-        count=ints + 1,
-        members=ints + 2,
-        bw_Bps=bw,
-        xfer_s=(1 << 23) / bw,
-        sum_xfer_s=(1 << 23) / bw,
-        sum_bus_bytes=ints + float(1 << 23),
-        spread_s=ints + 1e-4,
-        first_ns=window * 50_000_000,
-        last_ns=window * 50_000_000 + 40_000_000,
-        min_step=window,
-        max_step=window,
-        groups=groups,
-        hosts=dict(hosts or NODE),
-        window_steps=1,
-        window_ns=0,
-        sql="",
-    )
+    return cell_metrics(groups, hosts or NODE, slowdowns, windows, nbytes=1 << 23, job_id="bed3")
 
 
 # node1's groups 2.7x slow now and then (the host, not the link): windows 5 and 7; node2's link

@@ -10,10 +10,9 @@ moment), one step from a false ``slow_link node2<->node3``.
 
 from __future__ import annotations
 
-import numpy as np
-
 from ranklens.analyzers.links import GroupInfo, LinkMetrics
 from ranklens.analyzers.tomography import GroupTestingDetector
+from tests.links_helpers import cell_metrics
 
 WINDOWS = 10
 NODE = {r: f"node{r // 2}" for r in range(8)}
@@ -34,37 +33,7 @@ def _groups() -> dict[str, GroupInfo]:
 
 def _metrics(slowdowns: dict[tuple[str, int], float], seed: int = 0) -> LinkMetrics:
     """Every group's cell in every window at ~1 GB/s (2 % noise), ``slowdowns[(pg, window)]`` times slower."""
-    groups = _groups()
-    rng = np.random.default_rng(seed)
-    rows = [(pg, w) for w in range(WINDOWS) for pg in groups]
-    n = len(rows)
-    bw = 1e9 * rng.lognormal(0.0, 0.02, n) / np.array([slowdowns.get(r, 1.0) for r in rows])
-    ints = np.zeros(n, dtype=np.int64)
-    window = np.array([w for _pg, w in rows], dtype=np.int64)
-    return LinkMetrics(
-        job_id="bed",
-        attempt=0,
-        pg=np.array([pg for pg, _w in rows], dtype=object),
-        family=np.array(["p2p" if "p2p" in pg else "all_reduce" for pg, _w in rows], dtype=object),
-        size_bucket=ints + 10,
-        window=window,
-        count=ints + 1,
-        members=ints + 2,
-        bw_Bps=bw,
-        xfer_s=(1 << 20) / bw,
-        sum_xfer_s=(1 << 20) / bw,
-        sum_bus_bytes=ints + float(1 << 20),
-        spread_s=ints + 1e-4,
-        first_ns=window * 50_000_000,
-        last_ns=window * 50_000_000 + 40_000_000,
-        min_step=window,
-        max_step=window,
-        groups=groups,
-        hosts=dict(NODE),
-        window_steps=1,
-        window_ns=0,
-        sql="",
-    )
+    return cell_metrics(_groups(), NODE, slowdowns, WINDOWS, seed=seed)
 
 
 # the other stage's groups, as slow in the same windows: a DP group (node0-node1) and a TP pair (node0)
